@@ -1,0 +1,281 @@
+"""One typed config tree for a run, loaded from YAML plus dotted overrides.
+
+Each component receives only its own sub-config (`cfg.model`, `cfg.optim`, ...). The defaults
+below *are* the embedded demo: `raytrain-lm train` with no arguments trains on them.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from raytrain_lm.errors import UserError
+
+RUN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    """GPT shape. `vocab_size` comes from the tokenizer unless set (it must then be large enough)."""
+
+    n_layer: int = Field(4, ge=1)
+    n_head: int = Field(4, ge=1)
+    n_embd: int = Field(128, ge=8)
+    block_size: int = Field(128, ge=2, description="context length in tokens")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    bias: bool = False
+    vocab_size: int | None = Field(None, ge=2)
+
+    @model_validator(mode="after")
+    def _heads_divide_width(self) -> ModelConfig:
+        if self.n_embd % self.n_head:
+            raise ValueError(
+                f"model.n_embd ({self.n_embd}) must be divisible by model.n_head ({self.n_head})"
+            )
+        return self
+
+
+class TokenizerConfig(_Section):
+    kind: Literal["byte", "char", "bpe"] = "byte"
+    path: str | None = Field(None, description="tokenizer.json to load (bpe); trained if unset")
+    vocab_size: int = Field(4096, ge=260, description="target vocabulary when training BPE")
+
+
+class DataConfig(_Section):
+    sources: list[str] = Field(
+        default_factory=lambda: ["builtin:python-stdlib"],
+        description="text files, folders or globs; builtin:python-stdlib / builtin:python-docs",
+    )
+    cache_dir: str = "data"
+    val_fraction: float = Field(0.1, gt=0.0, lt=0.5)
+    max_source_bytes: int | None = Field(
+        6_000_000, ge=1, description="cap on input bytes read (None: everything)"
+    )
+    shard_tokens: int = Field(1 << 22, ge=1024, description="tokens per Parquet shard")
+    shuffle_window_shards: int = Field(8, ge=1, description="shards shuffled together per window")
+    seed: int = 1337
+    tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
+
+    @field_validator("sources", mode="before")
+    @classmethod
+    def _one_source_is_a_list(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
+
+
+class OptimConfig(_Section):
+    lr: float = Field(1e-3, gt=0.0)
+    min_lr: float = Field(1e-4, ge=0.0)
+    warmup_steps: int = Field(50, ge=0)
+    decay_steps: int | None = Field(
+        None, ge=1, description="cosine decay length; max_steps if unset"
+    )
+    weight_decay: float = Field(0.1, ge=0.0)
+    beta1: float = Field(0.9, ge=0.0, lt=1.0)
+    beta2: float = Field(0.99, ge=0.0, lt=1.0)
+    grad_clip: float = Field(1.0, ge=0.0, description="0 disables clipping")
+
+    @model_validator(mode="after")
+    def _min_below_peak(self) -> OptimConfig:
+        if self.min_lr > self.lr:
+            raise ValueError(f"optim.min_lr ({self.min_lr}) must not exceed optim.lr ({self.lr})")
+        return self
+
+
+class TrainingConfig(_Section):
+    global_batch_size: int = Field(
+        32, ge=1, description="sequences per optimizer step, all workers"
+    )
+    micro_batch_size: int | None = Field(
+        None, ge=1, description="sequences per worker per forward pass; unset: no accumulation"
+    )
+    max_steps: int = Field(600, ge=1)
+    stop_after_step: int | None = Field(
+        None, ge=1, description="end this invocation after this step; the run resumes later"
+    )
+    eval_every: int = Field(100, ge=1)
+    eval_sequences: int | None = Field(256, ge=1, description="val sequences per eval (None: all)")
+    log_every: int = Field(10, ge=1)
+    seed: int = 1337
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    compile: bool = False
+    sample_prompt: str = "def "
+    sample_tokens: int = Field(200, ge=0)
+    progress: bool = True
+    ledger: bool = Field(False, description="record the global sequence indices each worker used")
+
+
+class ScalingConfig(_Section):
+    num_workers: int = Field(2, ge=1)
+    use_gpu: bool | Literal["auto"] = "auto"
+    cpus_per_worker: float = Field(1.0, gt=0.0)
+    data_cpus: float = Field(1.0, ge=0.0, description="CPUs kept free for Ray Data tasks")
+    ray_address: str | None = Field(None, description="cluster to join; None: start a local Ray")
+
+
+class CheckpointConfig(_Section):
+    every_steps: int = Field(200, ge=1)
+    keep_last: int = Field(2, ge=1)
+
+
+class TrackingConfig(_Section):
+    enabled: bool = True
+    uri: str | None = Field(None, description="MLflow URI; else $MLFLOW_TRACKING_URI; else sqlite")
+    experiment: str = "raytrain-lm"
+
+
+class RunConfig(_Section):
+    name: str = Field("demo", pattern=RUN_NAME_PATTERN)
+    output_dir: str = "runs"
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    training: TrainingConfig = Field(default_factory=TrainingConfig)
+    scaling: ScalingConfig = Field(default_factory=ScalingConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+
+    @model_validator(mode="after")
+    def _batch_fits_workers(self) -> RunConfig:
+        micro, world = self.training.micro_batch_size, self.scaling.num_workers
+        unit = world * (micro or 1)
+        if self.training.global_batch_size % unit:
+            what = f"scaling.num_workers ({world})"
+            if micro:
+                what += f" x training.micro_batch_size ({micro})"
+            raise ValueError(
+                f"training.global_batch_size ({self.training.global_batch_size}) "
+                f"is not divisible by {what}"
+            )
+        return self
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def _closest_key(model: type[BaseModel], loc: tuple[Any, ...]) -> str:
+    """Names the valid key nearest to an unknown one at `loc` (a pydantic error location)."""
+    section: type[BaseModel] = model
+    for part in loc[:-1]:
+        field = section.model_fields.get(str(part))
+        annotation = getattr(field, "annotation", None)
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return ""
+        section = annotation
+    valid = list(section.model_fields)
+    match = difflib.get_close_matches(str(loc[-1]), valid, n=1, cutoff=0.0)
+    prefix = ".".join(str(p) for p in loc[:-1])
+    if not match:
+        return ""
+    return f"; did you mean '{prefix + '.' if prefix else ''}{match[0]}'?"
+
+
+def _format_validation_error(err: ValidationError, origin: str) -> str:
+    first = err.errors()[0]
+    loc = tuple(first["loc"])
+    key = ".".join(str(p) for p in loc)
+    if first["type"] == "extra_forbidden":
+        return f"{origin}: unknown key '{key}'{_closest_key(RunConfig, loc)}"
+    message = first["msg"].removeprefix("Value error, ")
+    if not key:
+        return f"{origin}: {message}"
+    return f"{origin}: invalid value for '{key}': {message} (got {first.get('input')!r})"
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`optim.lr=3e-4` -> (["optim", "lr"], 0.0003). Values are parsed as YAML scalars."""
+    key, sep, raw = text.partition("=")
+    if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*", key):
+        raise UserError(f"override '{text}' is not of the form section.key=value")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as exc:
+        raise UserError(f"override '{text}': cannot parse value: {exc}".splitlines()[0]) from None
+    if isinstance(value, str) and re.fullmatch(r"[-+]?\d*\.?\d+[eE][-+]?\d+", value):
+        value = float(value)  # YAML 1.1 reads "3e-4" as a string
+    return key.split("."), value
+
+
+def _set_dotted(tree: dict[str, Any], path: list[str], value: Any) -> None:
+    node = tree
+    for part in path[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise UserError(f"override '{'.'.join(path)}': '{part}' is not a section")
+        node = child
+    node[path[-1]] = value
+
+
+def _fix_yaml_floats(node: Any) -> Any:
+    if isinstance(node, dict):
+        return {k: _fix_yaml_floats(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_fix_yaml_floats(v) for v in node]
+    if isinstance(node, str) and re.fullmatch(r"[-+]?\d*\.?\d+[eE][-+]?\d+", node):
+        return float(node)
+    return node
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Builds the run config from an optional YAML file and `section.key=value` overrides.
+
+    Raises `UserError` naming the offending key (and the closest valid one) on any problem.
+    """
+    tree: dict[str, Any] = {}
+    origin = "defaults"
+    if path is not None:
+        origin = str(path)
+        file = Path(path)
+        if not file.is_file():
+            raise UserError(f"config file not found: {path}")
+        try:
+            loaded = yaml.safe_load(file.read_text(encoding="utf-8"))
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            problem = getattr(exc, "problem", None) or "invalid YAML"
+            raise UserError(f"{path}: YAML syntax error{where}: {problem}") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise UserError(f"{path}: top level must be a mapping of sections")
+        tree = _fix_yaml_floats(loaded)
+    for text in overrides or []:
+        keys, value = parse_override(text)
+        _set_dotted(tree, keys, value)
+        origin = f"{origin} + overrides" if "overrides" not in origin else origin
+    try:
+        return RunConfig.model_validate(tree)
+    except ValidationError as err:
+        raise UserError(_format_validation_error(err, origin)) from None
+
+
+def flatten(cfg: BaseModel | dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Dotted key -> scalar, for MLflow params."""
+    tree = cfg.model_dump(mode="json") if isinstance(cfg, BaseModel) else cfg
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(flatten(value, name + "."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def to_yaml(cfg: RunConfig) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,62 @@
+"""Sampling text from a checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import yaml
+
+from raytrain_lm.config import RunConfig
+from raytrain_lm.errors import UserError
+from raytrain_lm.model import GPT
+from raytrain_lm.tokenization import Tokenizer, load_tokenizer
+from raytrain_lm.trainer.checkpoint import (
+    CONFIG_FILE,
+    MODEL_FILE,
+    is_complete,
+    latest_complete_checkpoint,
+    load_model_state,
+)
+
+
+def resolve_checkpoint(run_or_checkpoint: str, output_dir: str = "runs") -> Path:
+    """A checkpoint folder, a run folder (its newest checkpoint) or a run name under output_dir."""
+    for candidate in (Path(run_or_checkpoint), Path(output_dir) / run_or_checkpoint):
+        if candidate.is_dir():
+            if is_complete(candidate):
+                return candidate
+            latest = latest_complete_checkpoint(candidate)
+            if latest is not None:
+                return latest
+            raise UserError(f"{candidate} holds no complete checkpoint")
+    raise UserError(f"no run or checkpoint named '{run_or_checkpoint}' (looked in {output_dir}/)")
+
+
+def load_model(checkpoint: Path, device: str = "cpu") -> tuple[GPT, Tokenizer]:
+    from safetensors.torch import load_file
+
+    from raytrain_lm.trainer.loop import model_shape
+
+    cfg = RunConfig.model_validate(yaml.safe_load((checkpoint / CONFIG_FILE).read_text()))
+    tokenizer = load_tokenizer(checkpoint)
+    model = GPT(model_shape(cfg, tokenizer.vocab_size))
+    load_model_state(model, load_file(str(checkpoint / MODEL_FILE), device=device))
+    return model.to(device).eval(), tokenizer
+
+
+def sample(
+    checkpoint: Path,
+    prompt: str,
+    max_new_tokens: int = 200,
+    temperature: float = 0.8,
+    top_k: int | None = 50,
+    seed: int = 0,
+) -> str:
+    model, tokenizer = load_model(checkpoint)
+    ids = tokenizer.encode(prompt) or [tokenizer.eot_id]
+    generator = torch.Generator().manual_seed(seed)
+    out = model.generate(
+        torch.tensor([ids], dtype=torch.long), max_new_tokens, temperature, top_k, generator
+    )
+    return tokenizer.decode(out[0].tolist())

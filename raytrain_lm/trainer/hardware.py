@@ -1,0 +1,68 @@
+"""Device facts: precision settings, fused kernels and the peak FLOPs table for MFU."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+# Dense bf16 tensor-core peaks (no sparsity), FLOP/s.
+GPU_PEAK_FLOPS = {
+    "H200": 989e12,
+    "H100": 989e12,
+    "A100": 312e12,
+    "L40S": 362e12,
+    "A10G": 70e12,
+    "A10": 125e12,
+    "L4": 121e12,
+    "V100": 125e12,
+    "T4": 65e12,
+}
+# fp32 FLOP/s of one core: SIMD lanes x 2 (FMA) x 2 FMA units x 3.5 GHz, erring high so that
+# CPU MFU is a lower bound.
+CPU_PEAK_FLOPS_PER_THREAD = {"AVX512": 16 * 2 * 2 * 3.5e9, "AVX2": 8 * 2 * 2 * 3.5e9}
+CPU_PEAK_FLOPS_FALLBACK = 4 * 2 * 2 * 3.5e9
+
+
+def peak_flops(device: torch.device) -> float:
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, value in GPU_PEAK_FLOPS.items():
+            if key in name:
+                return value
+        return 312e12  # unknown GPU: assume A100-class so MFU errs low
+    capability = torch.backends.cpu.get_cpu_capability()
+    per_thread = CPU_PEAK_FLOPS_PER_THREAD.get(capability, CPU_PEAK_FLOPS_FALLBACK)
+    return per_thread * max(1, torch.get_num_threads())
+
+
+def mfu(flops_per_token: float, tokens_per_s_per_device: float, device: torch.device) -> float:
+    return min(1.0, flops_per_token * tokens_per_s_per_device / peak_flops(device))
+
+
+def use_bf16(device: torch.device, precision: str) -> bool:
+    if precision == "fp32":
+        return False
+    return device.type == "cuda" and torch.cuda.is_bf16_supported()
+
+
+def configure_device(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    else:
+        # Ray starts workers with OMP_NUM_THREADS=1 unless told; honour what the worker reserved.
+        threads = int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
+        if threads > 0:
+            torch.set_num_threads(threads)
+
+
+def autocast(device: torch.device, bf16: bool):
+    if bf16:
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def build_adamw(groups: list[dict], lr: float, betas: tuple[float, float], device: torch.device):
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=device.type == "cuda")

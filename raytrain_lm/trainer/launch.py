@@ -1,0 +1,185 @@
+"""The driver side of a training run: prepare data, open tracking, run the TorchTrainer,
+then publish the summary, final weights and a sample."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from raytrain_lm.config import RunConfig, flatten, to_yaml
+from raytrain_lm.data.prepare import prepare
+from raytrain_lm.errors import UserError
+from raytrain_lm.runtime import ensure_ray, use_gpu
+from raytrain_lm.tracking import MLflowTracker, resolve_tracking_uri
+from raytrain_lm.trainer.checkpoint import CONFIG_FILE, latest_complete_checkpoint, read_state
+
+TRACKING_FILE = "tracking.json"
+SUMMARY_FILE = "summary.json"
+# Sections that define what a run *is*: resuming with any of them changed would be a new run.
+IDENTITY_SECTIONS = ("model", "data", "optim")
+
+
+def _check_writable(directory: Path) -> None:
+    """Fails early if `directory` could not be created or written, leaving nothing behind."""
+    existing = directory
+    while not existing.exists():
+        existing = existing.parent
+    try:
+        if not existing.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, "not a directory")
+        os.rmdir(tempfile.mkdtemp(prefix=".write-probe-", dir=existing))
+    except OSError as exc:
+        raise UserError(f"output directory {directory} is not writable: {exc.strerror}") from None
+
+
+def _check_resume_compatible(cfg: RunConfig, run_dir: Path) -> None:
+    saved_file = run_dir / CONFIG_FILE
+    if not saved_file.is_file():
+        return
+    saved = yaml.safe_load(saved_file.read_text())
+    current = cfg.model_dump(mode="json")
+    for section in IDENTITY_SECTIONS:
+        for key, value in flatten(current[section]).items():
+            old = flatten(saved.get(section, {})).get(key)
+            if old != value:
+                raise UserError(
+                    f"run '{cfg.name}' exists with {section}.{key}={old!r}, now {value!r}; "
+                    f"resume with the same settings or choose another name=..."
+                )
+
+
+def _tracking(cfg: RunConfig, run_dir: Path) -> MLflowTracker | None:
+    if not cfg.tracking.enabled:
+        return None
+    uri = resolve_tracking_uri(cfg.tracking)
+    previous = run_dir / TRACKING_FILE
+    run_id = json.loads(previous.read_text())["mlflow_run_id"] if previous.is_file() else None
+    tracker = MLflowTracker.start(uri, cfg.tracking.experiment, cfg.name, run_id)
+    previous.write_text(json.dumps({"tracking_uri": uri, "mlflow_run_id": tracker.run_id}))
+    return tracker
+
+
+def train(cfg: RunConfig) -> dict[str, Any]:
+    """Runs (or resumes) `cfg` to completion and returns the summary dict."""
+    from ray.train import CheckpointConfig, FailureConfig
+    from ray.train import RunConfig as RayRunConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.v2.api.config import LoggingConfig
+
+    from raytrain_lm.trainer.loop import train_loop_per_worker
+
+    started = time.time()
+    storage = Path(cfg.output_dir).resolve()
+    run_dir = storage / cfg.name
+    _check_writable(storage)
+    _check_resume_compatible(cfg, run_dir)
+
+    prepared = prepare(cfg.data)
+    manifest = prepared.manifest
+    verb = "prepared" if prepared.created else "reusing prepared"
+    print(
+        f"[raytrain-lm] {verb} data {prepared.directory}: {manifest.splits['train'].tokens:,} train "
+        f"/ {manifest.splits['val'].tokens:,} val tokens, {manifest.tokenizer_kind} tokenizer "
+        f"(vocab {manifest.vocab_size})",
+        flush=True,
+    )
+    if cfg.model.vocab_size is not None and cfg.model.vocab_size < manifest.vocab_size:
+        raise UserError(
+            f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the tokenizer's "
+            f"vocabulary ({manifest.vocab_size})"
+        )
+
+    previous = latest_complete_checkpoint(run_dir)
+    ensure_ray(cfg.scaling)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / CONFIG_FILE).write_text(to_yaml(cfg))
+    tracker = _tracking(cfg, run_dir)
+    if tracker is not None:
+        tracker.log_params(flatten(cfg))
+        tracker.log_artifact(run_dir / CONFIG_FILE)
+        tracker.log_artifact(prepared.directory / "tokenizer.json")
+
+    gpu = use_gpu(cfg.scaling)
+    payload = {
+        "config": cfg.model_dump(mode="json"),
+        "data_dir": str(prepared.directory.resolve()),
+        "run_dir": str(run_dir),
+        "tracking_uri": tracker.uri if tracker else None,
+        "mlflow_run_id": tracker.run_id if tracker else None,
+        "expect_checkpoint": previous is not None,
+        "read_cpus": cfg.scaling.data_cpus / cfg.scaling.num_workers,
+    }
+    already_done = previous is not None and read_state(previous).step >= min(
+        cfg.training.max_steps, cfg.training.stop_after_step or cfg.training.max_steps
+    )
+    result_metrics: dict[str, Any] = {}
+    if already_done:
+        print(f"[raytrain-lm] run '{cfg.name}' already trained to step {read_state(previous).step}")
+    else:
+        trainer = TorchTrainer(
+            train_loop_per_worker,
+            train_loop_config=payload,
+            torch_config=TorchConfig(backend="nccl" if gpu else "gloo"),
+            scaling_config=_scaling(cfg, gpu),
+            run_config=RayRunConfig(
+                name=cfg.name,
+                storage_path=str(storage),
+                checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep_last),
+                failure_config=FailureConfig(max_failures=0),
+                logging_config=LoggingConfig(log_level="WARNING"),
+            ),
+        )
+        try:
+            result = trainer.fit()
+        except Exception:
+            if tracker is not None:
+                tracker.finish("FAILED")
+            raise
+        result_metrics = dict(result.metrics or {})
+
+    final = latest_complete_checkpoint(run_dir)
+    if final is None:
+        raise RuntimeError(f"training finished without a complete checkpoint in {run_dir}")
+    state = read_state(final)
+    summary = {
+        "run": cfg.name,
+        "steps": state.step,
+        "tokens": state.tokens,
+        "train_loss": result_metrics.get("train_loss"),
+        "val_loss": state.val_loss,
+        "tokens_per_s": result_metrics.get("tokens_per_s"),
+        "wall_s": round(time.time() - started, 1),
+        "mlflow_run_id": tracker.run_id if tracker else None,
+        "checkpoint": str(final),
+    }
+    (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
+    if tracker is not None:
+        tracker.log_artifact(final / "model.safetensors", "final")
+        tracker.log_artifact(final / "tokenizer.json", "final")
+        tracker.log_artifact(run_dir / SUMMARY_FILE)
+        tracker.finish("FINISHED")
+    return summary
+
+
+def _scaling(cfg: RunConfig, gpu: bool):
+    from ray.train import ScalingConfig
+
+    resources = {"CPU": cfg.scaling.cpus_per_worker}
+    if gpu:
+        resources["GPU"] = 1
+    return ScalingConfig(
+        num_workers=cfg.scaling.num_workers, use_gpu=gpu, resources_per_worker=resources
+    )
+
+
+def default_ray_env() -> None:
+    """Quiet, fast defaults for local runs; users can override any of them in the environment."""
+    os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")

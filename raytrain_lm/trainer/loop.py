@@ -1,0 +1,303 @@
+"""`train_loop_per_worker`: restore first, then step, then report (Ray's own pattern).
+
+This is the only module that calls `ray.train.*`. Each worker gets the whole run config but
+hands each component only its own section.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from raytrain_lm.config import RunConfig, to_yaml
+from raytrain_lm.data.ledger import discard_after
+from raytrain_lm.data.manifest import Manifest
+from raytrain_lm.data.order import SequenceOrder
+from raytrain_lm.data.stream import WorkerSlice, stream_train_batches, validation_batches
+from raytrain_lm.model import GPT, GPTShape
+from raytrain_lm.tokenization import load_tokenizer
+from raytrain_lm.tracking import MLflowTracker, NullTracker, Tracker
+from raytrain_lm.trainer import hardware
+from raytrain_lm.trainer.checkpoint import TrainState, load_checkpoint, save_checkpoint
+from raytrain_lm.trainer.plan import BatchPlan, learning_rate
+from raytrain_lm.trainer.progress import ProgressBar
+
+
+def model_shape(cfg: RunConfig, tokenizer_vocab: int) -> GPTShape:
+    m = cfg.model
+    return GPTShape(
+        vocab_size=m.vocab_size or tokenizer_vocab,
+        block_size=m.block_size,
+        n_layer=m.n_layer,
+        n_head=m.n_head,
+        n_embd=m.n_embd,
+        dropout=m.dropout,
+        bias=m.bias,
+    )
+
+
+def _all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return values
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor.tolist()
+
+
+@torch.no_grad()
+def evaluate(
+    model: torch.nn.Module,
+    cfg: RunConfig,
+    data_dir: str,
+    manifest: Manifest,
+    rank: int,
+    world: int,
+    device: torch.device,
+    bf16: bool,
+) -> float:
+    """Mean token loss over the fixed validation set; identical whatever the world size."""
+    model.eval()
+    total, count = 0.0, 0
+    batch = cfg.training.micro_batch_size or max(1, cfg.training.global_batch_size // world)
+    for tokens in validation_batches(
+        data_dir, manifest, cfg.model.block_size, cfg.training.eval_sequences, rank, world, batch
+    ):
+        t = torch.from_numpy(tokens).to(device)
+        with hardware.autocast(device, bf16):
+            _, loss = model(t[:, :-1], t[:, 1:])
+        total += float(loss) * t.shape[0]
+        count += t.shape[0]
+    model.train()
+    total, count = _all_reduce_sum([total, float(count)], device)
+    return total / max(count, 1.0)
+
+
+def _step_seed(seed: int, step: int, rank: int) -> int:
+    # Dropout noise is a function of (seed, step, rank), so a resumed run draws the same noise.
+    return (seed * 1_000_003 + step * 7_919 + rank) % (1 << 62)
+
+
+def _quiet_ray_train_info_logs() -> None:
+    # Ray Train logs every report and checkpoint at INFO from loggers named by file path,
+    # which LoggingConfig does not reach; our progress line already says the same.
+    import logging
+
+    from ray.train.v2._internal.execution import context, storage
+
+    for module in (context, storage):
+        logging.getLogger(module.__file__).setLevel(logging.WARNING)
+        logging.getLogger(module.__name__).setLevel(logging.WARNING)
+
+
+def train_loop_per_worker(payload: dict[str, Any]) -> None:
+    import ray.train
+    import ray.train.torch
+
+    _quiet_ray_train_info_logs()
+    cfg = RunConfig.model_validate(payload["config"])
+    data_dir: str = payload["data_dir"]
+    context = ray.train.get_context()
+    rank, world = context.get_world_rank(), context.get_world_size()
+    device = ray.train.torch.get_device()
+    hardware.configure_device(device)
+    bf16 = hardware.use_bf16(device, cfg.training.precision)
+
+    manifest = Manifest.load(data_dir)
+    tokenizer_json = load_tokenizer(data_dir).to_json()
+    plan = BatchPlan.derive(cfg.training, world)
+
+    torch.manual_seed(cfg.training.seed)
+    model = GPT(model_shape(cfg, manifest.vocab_size)).to(device)
+    optimizer = hardware.build_adamw(
+        model.optimizer_groups(cfg.optim.weight_decay),
+        cfg.optim.lr,
+        (cfg.optim.beta1, cfg.optim.beta2),
+        device,
+    )
+
+    # --- restore -------------------------------------------------------------------------
+    state = TrainState()
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is not None:
+        with checkpoint.as_directory() as directory:
+            state = load_checkpoint(directory, model, optimizer, device)
+    elif payload.get("expect_checkpoint"):
+        raise RuntimeError(
+            "this run has checkpoints but Ray Train offered none to resume from; refusing to "
+            "start from step 0 (remove the run directory to start afresh)"
+        )
+    if rank == 0 and cfg.training.ledger and payload.get("run_dir"):
+        discard_after(payload["run_dir"], state.step)
+    tracker: Tracker = NullTracker()
+    if rank == 0 and payload.get("tracking_uri") and payload.get("mlflow_run_id"):
+        tracker = MLflowTracker(payload["tracking_uri"], payload["mlflow_run_id"])
+    if rank == 0:
+        origin = (
+            f"resumed at step {state.step} ({state.tokens} tokens)" if state.step else "started"
+        )
+        print(
+            f"[raytrain-lm] {origin}; world size {world}, micro-batch {plan.micro_batch}, "
+            f"accumulation {plan.accumulation}, global batch {plan.global_batch}",
+            file=sys.__stdout__,
+            flush=True,
+        )
+    tracker.log_metrics(
+        {"world_size": world, "accumulation_steps": plan.accumulation}, step=state.step
+    )
+
+    raw_model = model
+    if cfg.training.compile:
+        model = torch.compile(model)
+    model = ray.train.torch.prepare_model(model, move_to_device=False)
+    is_ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+
+    # --- data ------------------------------------------------------------------------------
+    seq_len = cfg.model.block_size
+    order = SequenceOrder(
+        [s.tokens for s in manifest.splits["train"].shards],
+        seq_len,
+        cfg.data.seed,
+        cfg.data.shuffle_window_shards,
+    )
+    end_step = min(cfg.training.max_steps, cfg.training.stop_after_step or cfg.training.max_steps)
+    part = WorkerSlice(rank, world, plan.global_batch)
+    if state.position != state.step * plan.global_batch:
+        raise RuntimeError(f"inconsistent checkpoint: position {state.position}, step {state.step}")
+    batches = stream_train_batches(
+        data_dir,
+        manifest,
+        order,
+        part,
+        plan.micro_batch,
+        state.step,
+        end_step,
+        read_cpus=payload.get("read_cpus", 0.5),
+    )
+
+    # --- step --------------------------------------------------------------------------------
+    decay = cfg.optim.decay_steps or cfg.training.max_steps
+    tokens_per_step = plan.global_batch * seq_len
+    flops_per_token = raw_model.flops_per_token()
+    progress = None
+    if rank == 0 and cfg.training.progress:
+        progress = ProgressBar(end_step, state.step, cfg.training.log_every)
+    ledger: list[np.ndarray] = []
+    last_report = {"step": state.step, "tokens": state.tokens}
+    train_loss = float("nan")
+    timed_tokens, timed_seconds, warmup_steps = 0, 0.0, state.step + 3
+    tick = time.perf_counter()
+    while state.step < end_step:
+        lr = learning_rate(
+            state.step, cfg.optim.lr, cfg.optim.min_lr, cfg.optim.warmup_steps, decay
+        )
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        torch.manual_seed(_step_seed(cfg.training.seed, state.step, rank))
+        loss_sum = torch.zeros((), device=device)
+        data_wait = 0.0
+        for micro in range(plan.accumulation):
+            waited = time.perf_counter()
+            positions, tokens = next(batches)
+            data_wait += time.perf_counter() - waited
+            if cfg.training.ledger:
+                ledger.append(positions)
+            t = torch.from_numpy(tokens).to(device, non_blocking=True)
+            sync = contextlib.nullcontext()
+            if is_ddp and micro < plan.accumulation - 1:
+                sync = model.no_sync()  # all-reduce gradients once, on the last micro-batch
+            with sync:
+                with hardware.autocast(device, bf16):
+                    _, loss = model(t[:, :-1], t[:, 1:])
+                (loss / plan.accumulation).backward()
+            loss_sum += loss.detach()
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            raw_model.parameters(), cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
+        )
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        state.step += 1
+        state.tokens += tokens_per_step
+        state.position += plan.global_batch
+
+        train_loss = _all_reduce_sum([float(loss_sum) / plan.accumulation], device)[0] / world
+        now = time.perf_counter()
+        step_time, tick = now - tick, now
+        tokens_per_s = tokens_per_step / step_time
+        if state.step > warmup_steps:  # the first steps pay for start-up and data warm-up
+            timed_tokens += tokens_per_step
+            timed_seconds += step_time
+        metrics = {
+            "train/loss": train_loss,
+            "train/lr": lr,
+            "train/grad_norm": float(grad_norm),
+            "perf/tokens_per_s": tokens_per_s,
+            "perf/mfu": hardware.mfu(flops_per_token, tokens_per_s / world, device),
+            "perf/step_time_s": step_time,
+            "perf/data_wait_fraction": data_wait / step_time,
+            "progress/tokens": state.tokens,
+        }
+        last_step = state.step == end_step
+        if state.step % cfg.training.eval_every == 0 or last_step:
+            state.val_loss = evaluate(raw_model, cfg, data_dir, manifest, rank, world, device, bf16)
+            metrics["val/loss"] = state.val_loss
+            tick = time.perf_counter()  # evaluation time is not step time
+        tracker.log_metrics(metrics, step=state.step)
+        if progress is not None:
+            progress.update(state.step, metrics, force="val/loss" in metrics)
+
+        if state.step % cfg.checkpoint.every_steps == 0 or last_step:
+            state.world_size = world
+            report = {
+                "step": state.step,
+                "tokens": state.tokens,
+                "train_loss": train_loss,
+                "val_loss": state.val_loss,
+                "tokens_per_s": timed_tokens / timed_seconds if timed_seconds else tokens_per_s,
+            }
+            _report_with_checkpoint(
+                report,
+                state,
+                raw_model,
+                optimizer,
+                rank,
+                tokenizer_json,
+                to_yaml(cfg),
+                ledger,
+                payload.get("run_dir"),
+                last_report,
+            )
+            last_report = {"step": state.step, "tokens": state.tokens}
+            ledger = []
+            tracker.flush()
+            tick = time.perf_counter()
+    tracker.flush()
+
+
+def _report_with_checkpoint(
+    report, state, model, optimizer, rank, tokenizer_json, config_yaml, ledger, run_dir, previous
+) -> None:
+    import ray.train
+
+    if ledger and run_dir:
+        # Positions consumed since the previous checkpoint, one file per rank and interval: a
+        # restart from step k discards files starting at or after k (see data/ledger.py).
+        folder = Path(run_dir) / "ledger"
+        folder.mkdir(parents=True, exist_ok=True)
+        np.save(
+            folder / f"steps-{previous['step']:09d}-{state.step:09d}-rank{rank}.npy",
+            np.concatenate(ledger),
+        )
+    with tempfile.TemporaryDirectory() as tmp:
+        checkpoint = None
+        if rank == 0:
+            save_checkpoint(Path(tmp), model, optimizer, state, tokenizer_json, config_yaml)
+            checkpoint = ray.train.Checkpoint.from_directory(tmp)
+        ray.train.report(report, checkpoint=checkpoint)

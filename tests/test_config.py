@@ -1,0 +1,122 @@
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from raytrain_lm.config import RunConfig, flatten, load_config, parse_override
+from raytrain_lm.errors import UserError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize(
+    "path", sorted((ROOT / "experiments").glob("*.yaml")), ids=lambda p: p.name
+)
+def test_every_experiment_parses(path):
+    cfg = load_config(path)
+    assert isinstance(cfg, RunConfig)
+
+
+def test_defaults_are_the_demo():
+    assert load_config(None) == load_config(ROOT / "experiments" / "demo.yaml")
+
+
+def test_overrides_are_typed():
+    cfg = load_config(
+        None, ["optim.lr=3e-4", "model.n_layer=6", "data.sources=a.txt", "training.compile=true"]
+    )
+    assert cfg.optim.lr == pytest.approx(3e-4)
+    assert cfg.model.n_layer == 6
+    assert cfg.data.sources == ["a.txt"]
+    assert cfg.training.compile is True
+    assert parse_override("data.sources=[a, b]") == (["data", "sources"], ["a", "b"])
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["optim.lrr=1"], "unknown key 'optim.lrr'; did you mean 'optim.lr'?"),
+        (["modle.n_layer=2"], "unknown key 'modle'; did you mean 'model'?"),
+        (["training.global_batchsize=4"], "did you mean 'training.global_batch_size'?"),
+        (["optim.lr=-1"], "invalid value for 'optim.lr'"),
+        (["model.n_head=3"], "must be divisible by model.n_head"),
+        (["training.global_batch_size=7"], "not divisible by scaling.num_workers (2)"),
+        (["training.micro_batch_size=3"], "x training.micro_batch_size (3)"),
+        (["training.precision=fp8"], "invalid value for 'training.precision'"),
+        (["name=has space"], "invalid value for 'name'"),
+        (["nonsense"], "not of the form"),
+    ],
+)
+def test_config_errors_name_the_key(overrides, message):
+    with pytest.raises(UserError) as err:
+        load_config(None, overrides)
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_yaml_errors(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  n_layer: [1,\n")
+    with pytest.raises(UserError, match="YAML syntax error at line"):
+        load_config(bad)
+    with pytest.raises(UserError, match="config file not found"):
+        load_config(tmp_path / "missing.yaml")
+    scalar = tmp_path / "scalar.yaml"
+    scalar.write_text("3\n")
+    with pytest.raises(UserError, match="mapping"):
+        load_config(scalar)
+
+
+def test_flatten_gives_dotted_scalars():
+    flat = flatten(load_config(None))
+    assert flat["optim.lr"] == 1e-3
+    assert flat["data.tokenizer.kind"] == "byte"
+
+
+def _cli(args, cwd):
+    return subprocess.run(
+        [sys.executable, "-m", "raytrain_lm.cli", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["train", "missing.yaml"], "config file not found"),
+        (["train", "bad.yaml"], "YAML syntax error"),
+        (["train", "--set", "optim.lrr=1"], "did you mean 'optim.lr'"),
+        (["train", "--optim.lr=-0.1"], "invalid value for 'optim.lr'"),
+        (["train", "--set", "training.global_batch_size=33"], "not divisible"),
+        (["train", "--set", "data.sources=empty.txt", "--set", "data.cache_dir=d"], "empty corpus"),
+        (["train", "--set", "output_dir=/proc/forbidden"], "not writable"),
+        (["prepare", "--set", "data.sources=nowhere/*.txt"], "input not found"),
+        (["generate", "--run", "nope"], "no run or checkpoint named 'nope'"),
+        (["frobnicate"], "invalid choice"),
+    ],
+)
+def test_cli_user_errors_are_one_line_exit_2_and_write_nothing(tmp_path, args, message):
+    (tmp_path / "bad.yaml").write_text("optim: {lr: [\n")
+    (tmp_path / "empty.txt").write_text("   \n")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    result = _cli(args, tmp_path)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("raytrain-lm: error: "), result.stderr
+    assert message in lines[0]
+    assert "Traceback" not in result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_config_show_prints_the_resolved_config(tmp_path):
+    result = _cli(
+        ["config", "show", str(ROOT / "experiments" / "nanogpt_cpu_baby.yaml"), "--optim.lr=5e-4"],
+        tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    shown = result.stdout
+    assert "lr: 0.0005" in shown and "kind: char" in shown and "block_size: 64" in shown

@@ -1,0 +1,117 @@
+import numpy as np
+import pytest
+
+from raytrain_lm.config import DataConfig
+from raytrain_lm.data.manifest import Manifest, read_shard
+from raytrain_lm.data.order import SequenceOrder, validation_starts
+from raytrain_lm.data.prepare import prepare
+from raytrain_lm.data.stream import WorkerSlice
+from raytrain_lm.errors import UserError
+from raytrain_lm.tokenization import load_tokenizer
+
+TEXT = "The quick brown fox 跳过 the lazy dog 🐕.\n" * 400
+
+
+def _cfg(tmp_path, **kw):
+    return DataConfig(
+        sources=[str(tmp_path / "corpus.txt")],
+        cache_dir=str(tmp_path / "data"),
+        shard_tokens=4096,
+        **kw,
+    )
+
+
+@pytest.mark.parametrize("kind", ["byte", "char", "bpe"])
+def test_prepare_round_trips_text_through_shards(tmp_path, kind):
+    (tmp_path / "corpus.txt").write_text(TEXT, encoding="utf-8")
+    cfg = _cfg(tmp_path, tokenizer={"kind": kind, "vocab_size": 300})
+    prepared = prepare(cfg)
+    manifest = Manifest.load(prepared.directory)
+    tok = load_tokenizer(prepared.directory)
+    assert manifest.tokenizer_fingerprint == tok.fingerprint and manifest.tokenizer_kind == kind
+    if kind != "bpe":  # BPE squeezes this repetitive text into one shard
+        assert len(manifest.splits["train"].shards) > 1  # 4096-token shards
+    stream = np.concatenate(
+        [
+            read_shard(prepared.directory, s)
+            for split in ("train", "val")
+            for s in manifest.splits[split].shards
+        ]
+    )
+    assert stream.dtype == np.dtype(manifest.dtype)
+    assert stream[-1] == manifest.eot_id
+    assert tok.decode(stream.tolist()) == TEXT
+
+
+def test_prepare_is_idempotent_and_versions_changes(tmp_path):
+    (tmp_path / "corpus.txt").write_text(TEXT)
+    first = prepare(_cfg(tmp_path))
+    again = prepare(_cfg(tmp_path))
+    assert first.created and not again.created and again.directory == first.directory
+    other = prepare(_cfg(tmp_path, val_fraction=0.2))
+    assert other.created and other.directory != first.directory
+    (tmp_path / "corpus.txt").write_text(TEXT + "more text")
+    changed = prepare(_cfg(tmp_path))
+    assert changed.created and changed.directory not in (first.directory, other.directory)
+    assert not [
+        p for p in (tmp_path / "data").iterdir() if p.name.startswith(".")
+    ]  # no staging left
+
+
+def test_non_utf8_bytes_are_replaced_and_counted(tmp_path):
+    (tmp_path / "corpus.txt").write_bytes(TEXT.encode() + b"\xff\xfe bad bytes")
+    manifest = prepare(_cfg(tmp_path)).manifest
+    assert manifest.replaced_bytes == 2
+
+
+def test_corrupted_shard_is_named(tmp_path):
+    (tmp_path / "corpus.txt").write_text(TEXT)
+    prepared = prepare(_cfg(tmp_path))
+    shard = prepared.manifest.splits["train"].shards[0]
+    path = prepared.directory / shard.file
+    path.write_bytes(path.read_bytes()[:-8] + b"garbage!")
+    with pytest.raises(UserError, match=f"shard {shard.file} is corrupted"):
+        read_shard(prepared.directory, shard)
+
+
+def test_empty_corpus_is_refused(tmp_path):
+    (tmp_path / "corpus.txt").write_text("  \n\n")
+    with pytest.raises(UserError, match="empty corpus"):
+        prepare(_cfg(tmp_path))
+    assert not (tmp_path / "data").exists()
+
+
+def test_order_is_a_permutation_per_epoch_that_differs_between_epochs():
+    order = SequenceOrder([1000, 5000, 300, 2048, 7], seq_len=16, seed=3, window=2)
+    for epoch in range(3):
+        start = sum(order.epoch_size(e) for e in range(epoch))
+        seen = [order.locate(p) for p in range(start, start + order.epoch_size(epoch))]
+        assert len(set(seen)) == len(seen)
+        for shard, first in seen:  # every sequence lies inside its shard
+            assert first + 17 <= [1000, 5000, 300, 2048, 7][shard]
+    e0 = [order.locate(p) for p in range(50)]
+    e1 = [order.locate(order.epoch_size(0) + p) for p in range(50)]
+    assert e0 != e1
+    same_seed = SequenceOrder([1000, 5000, 300, 2048, 7], seq_len=16, seed=3, window=2)
+    assert [same_seed.locate(p) for p in range(0, 2000, 7)] == [
+        order.locate(p) for p in range(0, 2000, 7)
+    ]
+    other_seed = SequenceOrder([1000, 5000, 300, 2048, 7], seq_len=16, seed=4, window=2)
+    assert [other_seed.locate(p) for p in range(50)] != e0
+
+
+def test_too_short_training_split_is_refused():
+    with pytest.raises(UserError, match="too small"):
+        SequenceOrder([10], seq_len=16, seed=0)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4, 8])
+def test_worker_slices_partition_every_global_batch(world):
+    parts = [WorkerSlice(r, world, 16).positions(5, 3) for r in range(world)]
+    assert sorted(np.concatenate(parts).tolist()) == list(range(5 * 16, 8 * 16))
+
+
+def test_validation_set_is_fixed():
+    starts = validation_starts([100, 50], seq_len=16, limit=None)
+    assert starts[:2] == [(0, 0), (0, 16)] and len(starts) == 6 + 3
+    assert validation_starts([100, 50], seq_len=16, limit=4) == starts[:4]
