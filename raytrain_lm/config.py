@@ -103,11 +103,11 @@ class TrainingConfig(_Section):
     micro_batch_size: int | None = Field(
         None, ge=1, description="sequences per worker per forward pass; unset: no accumulation"
     )
-    max_steps: int = Field(600, ge=1)
+    max_steps: int = Field(1000, ge=1)
     stop_after_step: int | None = Field(
         None, ge=1, description="end this invocation after this step; the run resumes later"
     )
-    eval_every: int = Field(100, ge=1)
+    eval_every: int = Field(200, ge=1)
     eval_sequences: int | None = Field(256, ge=1, description="val sequences per eval (None: all)")
     log_every: int = Field(10, ge=1)
     seed: int = 1337
