@@ -34,15 +34,24 @@ HERE = Path(__file__).resolve().parent
 MODEL = {"n_layer": 4, "n_head": 4, "n_embd": 256, "block_size": 256}
 
 
-def ours(work: Path, name: str, workers: int, cpus_per_worker: int, steps: int, batch: int) -> float:
+def ours(
+    work: Path, name: str, workers: int, cpus_per_worker: int, steps: int, batch: int
+) -> float:
     overrides = [
-        f"name={name}", f"output_dir={work / 'runs'}", f"data.cache_dir={work / 'data'}",
+        f"name={name}",
+        f"output_dir={work / 'runs'}",
+        f"data.cache_dir={work / 'data'}",
         f"tracking.uri=sqlite:///{work / 'mlflow.db'}",
         *(f"model.{k}={v}" for k, v in MODEL.items()),
-        f"training.global_batch_size={batch}", f"training.max_steps={steps}",
-        f"training.eval_every={steps}", f"checkpoint.every_steps={steps}",
-        "training.eval_sequences=16", "training.sample_tokens=0", "training.progress=false",
-        f"scaling.num_workers={workers}", f"scaling.cpus_per_worker={cpus_per_worker}",
+        f"training.global_batch_size={batch}",
+        f"training.max_steps={steps}",
+        f"training.eval_every={steps}",
+        f"checkpoint.every_steps={steps}",
+        "training.eval_sequences=16",
+        "training.sample_tokens=0",
+        "training.progress=false",
+        f"scaling.num_workers={workers}",
+        f"scaling.cpus_per_worker={cpus_per_worker}",
         "optim.warmup_steps=5",
     ]
     return raytrain_lm.train(load_config(None, overrides), sample=False)["tokens_per_s"]
@@ -51,11 +60,29 @@ def ours(work: Path, name: str, workers: int, cpus_per_worker: int, steps: int, 
 def torchrun(work: Path, data_dir: Path, steps: int, batch: int) -> float:
     out = work / "torchrun.json"
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-        str(HERE / "torchrun_ddp.py"), "--data", str(data_dir), "--out", str(out),
-        "--n-layer", str(MODEL["n_layer"]), "--n-head", str(MODEL["n_head"]),
-        "--n-embd", str(MODEL["n_embd"]), "--block-size", str(MODEL["block_size"]),
-        "--global-batch", str(batch), "--steps", str(steps),
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(HERE / "torchrun_ddp.py"),
+        "--data",
+        str(data_dir),
+        "--out",
+        str(out),
+        "--n-layer",
+        str(MODEL["n_layer"]),
+        "--n-head",
+        str(MODEL["n_head"]),
+        "--n-embd",
+        str(MODEL["n_embd"]),
+        "--block-size",
+        str(MODEL["block_size"]),
+        "--global-batch",
+        str(batch),
+        "--steps",
+        str(steps),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent)}
     subprocess.run(cmd, check=True, env=env, capture_output=True)
@@ -66,10 +93,20 @@ def single_process(data_dir: Path, steps: int, batch: int, vocab: int, prepared)
     import torch
 
     torch.set_num_threads(2)
-    train = np.concatenate([read_shard(prepared.directory, s) for s in prepared.manifest.splits["train"].shards])
-    recipe = Recipe(n_layer=MODEL["n_layer"], n_head=MODEL["n_head"], n_embd=MODEL["n_embd"],
-                    block_size=MODEL["block_size"], batch_size=batch, max_iters=steps,
-                    warmup_iters=5, lr_decay_iters=steps, eval_interval=0)
+    train = np.concatenate(
+        [read_shard(prepared.directory, s) for s in prepared.manifest.splits["train"].shards]
+    )
+    recipe = Recipe(
+        n_layer=MODEL["n_layer"],
+        n_head=MODEL["n_head"],
+        n_embd=MODEL["n_embd"],
+        block_size=MODEL["block_size"],
+        batch_size=batch,
+        max_iters=steps,
+        warmup_iters=5,
+        lr_decay_iters=steps,
+        eval_interval=0,
+    )
     return train_reference(train, train[:10_000], vocab, recipe)["tokens_per_s"]
 
 
@@ -92,10 +129,15 @@ def main() -> None:
         b = torchrun(work, prepared.directory, args.steps, args.batch)
         pairs["ddp2"].append((a, b))
         c = ours(work, f"single-{stamp}", 1, 2, args.steps, args.batch)
-        d = single_process(prepared.directory, args.steps, args.batch, prepared.manifest.vocab_size, prepared)
+        d = single_process(
+            prepared.directory, args.steps, args.batch, prepared.manifest.vocab_size, prepared
+        )
         pairs["single"].append((c, d))
-        print(f"round {r}: ray 2w {a:,.0f} vs torchrun {b:,.0f} tok/s ({a / b:.3f}); "
-              f"ray 1w {c:,.0f} vs plain {d:,.0f} tok/s ({c / d:.3f})", flush=True)
+        print(
+            f"round {r}: ray 2w {a:,.0f} vs torchrun {b:,.0f} tok/s ({a / b:.3f}); "
+            f"ray 1w {c:,.0f} vs plain {d:,.0f} tok/s ({c / d:.3f})",
+            flush=True,
+        )
     result = {
         name: {
             "ours_tokens_per_s": statistics.median(x for x, _ in v),

@@ -59,7 +59,9 @@ def full_val_loss(model: GPT, val: np.ndarray, block: int, batch: int = 64) -> f
         for i in range(0, len(starts), batch):
             s = starts[i : i + batch]
             x = torch.stack([torch.from_numpy(val[j : j + block].astype(np.int64)) for j in s])
-            y = torch.stack([torch.from_numpy(val[j + 1 : j + 1 + block].astype(np.int64)) for j in s])
+            y = torch.stack(
+                [torch.from_numpy(val[j + 1 : j + 1 + block].astype(np.int64)) for j in s]
+            )
             _, loss = model(x, y)
             total += loss.item() * len(s)
             count += len(s)
@@ -67,8 +69,9 @@ def full_val_loss(model: GPT, val: np.ndarray, block: int, batch: int = 64) -> f
     return total / count
 
 
-def train_reference(train: np.ndarray, val: np.ndarray, vocab_size: int, r: Recipe,
-                    log_every: int = 0) -> dict:
+def train_reference(
+    train: np.ndarray, val: np.ndarray, vocab_size: int, r: Recipe, log_every: int = 0
+) -> dict:
     torch.manual_seed(r.seed)
     train_t = torch.from_numpy(train.astype(np.int64))
     val_t = torch.from_numpy(val.astype(np.int64))
@@ -94,8 +97,9 @@ def train_reference(train: np.ndarray, val: np.ndarray, vocab_size: int, r: Reci
         return out
 
     model = GPT(GPTShape(vocab_size, r.block_size, r.n_layer, r.n_head, r.n_embd, r.dropout, False))
-    optimizer = torch.optim.AdamW(model.optimizer_groups(r.weight_decay), lr=r.learning_rate,
-                                  betas=(r.beta1, r.beta2))
+    optimizer = torch.optim.AdamW(
+        model.optimizer_groups(r.weight_decay), lr=r.learning_rate, betas=(r.beta1, r.beta2)
+    )
     history, step_times = [], []
     X, Y = get_batch("train")
     iter_num = 0
@@ -107,7 +111,9 @@ def train_reference(train: np.ndarray, val: np.ndarray, vocab_size: int, r: Reci
             losses = estimate_loss()
             history.append({"iter": iter_num, **losses})
             if log_every:
-                print(f"reference step {iter_num}: train {losses['train']:.4f}, val {losses['val']:.4f}")
+                print(
+                    f"reference step {iter_num}: train {losses['train']:.4f}, val {losses['val']:.4f}"
+                )
         if iter_num == r.max_iters:
             break  # nanoGPT evaluates at max_iters after max_iters optimizer steps
         t0 = time.perf_counter()

@@ -57,8 +57,10 @@ def main() -> None:
     prepared = prepare(cfg.data)
     train, val = split_tokens(prepared, "train"), split_tokens(prepared, "val")
     recipe = Recipe(max_iters=args.steps, lr_decay_iters=args.steps)
-    print(f"text: {cfg.data.sources}; {len(train):,} train / {len(val):,} val characters; "
-          f"vocab {prepared.manifest.vocab_size}")
+    print(
+        f"text: {cfg.data.sources}; {len(train):,} train / {len(val):,} val characters; "
+        f"vocab {prepared.manifest.vocab_size}"
+    )
 
     t0 = time.perf_counter()
     reference = train_reference(train, val, prepared.manifest.vocab_size, recipe, log_every=1)

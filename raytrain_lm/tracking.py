@@ -60,6 +60,7 @@ class MLflowTracker:
         self.client = MlflowClient(tracking_uri=uri)
         self.uri, self.run_id = uri, run_id
         self._pending: list = []
+        self._in_flight: list = []  # asynchronous MLflow writes not yet confirmed
         self._flush_every = flush_every
 
     @classmethod
@@ -96,12 +97,21 @@ class MLflowTracker:
         now = int(time.time() * 1000)
         self._pending.extend(Metric(k, float(v), now, step) for k, v in metrics.items())
         if len(self._pending) >= self._flush_every * max(1, len(metrics)):
-            self.flush()
+            self._send(synchronous=False)  # written by MLflow's background thread
 
-    def flush(self) -> None:
+    def _send(self, synchronous: bool) -> None:
         while self._pending:
             chunk, self._pending = self._pending[:1000], self._pending[1000:]
-            self.client.log_batch(self.run_id, metrics=chunk)
+            operation = self.client.log_batch(self.run_id, metrics=chunk, synchronous=synchronous)
+            if operation is not None:
+                self._in_flight.append(operation)
+
+    def flush(self) -> None:
+        """Blocks until every metric logged so far is stored."""
+        self._send(synchronous=True)
+        for operation in self._in_flight:
+            operation.wait()
+        self._in_flight.clear()
 
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
         self.client.log_artifact(self.run_id, str(path), artifact_path)

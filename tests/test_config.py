@@ -120,3 +120,17 @@ def test_config_show_prints_the_resolved_config(tmp_path):
     assert result.returncode == 0, result.stderr
     shown = result.stdout
     assert "lr: 0.0005" in shown and "kind: char" in shown and "block_size: 64" in shown
+
+
+def test_cli_refuses_a_corrupted_shard_before_training(tmp_path):
+    (tmp_path / "corpus.txt").write_text("some text to train on. " * 2000)
+    args = ["--set", "data.sources=corpus.txt", "--set", "data.cache_dir=d"]
+    assert _cli(["prepare", *args], tmp_path).returncode == 0
+    again = _cli(["prepare", *args], tmp_path)
+    assert again.returncode == 0 and "nothing to do" in again.stdout
+    shard = next((tmp_path / "d").glob("*/train-00000.parquet"))
+    shard.write_bytes(shard.read_bytes()[:-4] + b"oops")
+    result = _cli(["train", *args], tmp_path)
+    assert result.returncode == 2
+    assert "shard train-00000.parquet is corrupted" in result.stderr
+    assert not (tmp_path / "runs").exists()

@@ -14,6 +14,7 @@ from typing import Any
 import yaml
 
 from raytrain_lm.config import RunConfig, flatten, to_yaml
+from raytrain_lm.data.manifest import verify_shards
 from raytrain_lm.data.prepare import prepare
 from raytrain_lm.errors import UserError
 from raytrain_lm.runtime import ensure_ray, use_gpu
@@ -22,8 +23,9 @@ from raytrain_lm.trainer.checkpoint import CONFIG_FILE, latest_complete_checkpoi
 
 TRACKING_FILE = "tracking.json"
 SUMMARY_FILE = "summary.json"
-# Sections that define what a run *is*: resuming with any of them changed would be a new run.
+# What defines a run: resuming with any of these changed would silently make a different run.
 IDENTITY_SECTIONS = ("model", "data", "optim")
+IDENTITY_KEYS = ("training.global_batch_size", "training.seed")
 
 
 def _check_writable(directory: Path) -> None:
@@ -43,14 +45,14 @@ def _check_resume_compatible(cfg: RunConfig, run_dir: Path) -> None:
     saved_file = run_dir / CONFIG_FILE
     if not saved_file.is_file():
         return
-    saved = yaml.safe_load(saved_file.read_text())
-    current = cfg.model_dump(mode="json")
-    for section in IDENTITY_SECTIONS:
-        for key, value in flatten(current[section]).items():
-            old = flatten(saved.get(section, {})).get(key)
+    saved = flatten(yaml.safe_load(saved_file.read_text()))
+    current = flatten(cfg)
+    for key, value in current.items():
+        if key.split(".")[0] in IDENTITY_SECTIONS or key in IDENTITY_KEYS:
+            old = saved.get(key)
             if old != value:
                 raise UserError(
-                    f"run '{cfg.name}' exists with {section}.{key}={old!r}, now {value!r}; "
+                    f"run '{cfg.name}' exists with {key}={old!r}, now {value!r}; "
                     f"resume with the same settings or choose another name=..."
                 )
 
@@ -83,6 +85,8 @@ def train(cfg: RunConfig) -> dict[str, Any]:
 
     prepared = prepare(cfg.data)
     manifest = prepared.manifest
+    if not prepared.created:
+        verify_shards(prepared.directory, manifest)  # refuse corrupted data before starting
     verb = "prepared" if prepared.created else "reusing prepared"
     print(
         f"[raytrain-lm] {verb} data {prepared.directory}: {manifest.splits['train'].tokens:,} train "
@@ -138,7 +142,7 @@ def train(cfg: RunConfig) -> dict[str, Any]:
         )
         try:
             result = trainer.fit()
-        except Exception:
+        except BaseException:
             if tracker is not None:
                 tracker.finish("FAILED")
             raise
