@@ -58,6 +58,16 @@ def _parser() -> argparse.ArgumentParser:
 
     with_config(commands.add_parser("train", help="train (or resume) a run"))
     with_config(commands.add_parser("prepare", help="tokenize text into Parquet token shards"))
+    tokenizer = commands.add_parser("tokenizer", help="tokenizer tools")
+    tokenizer_commands = tokenizer.add_subparsers(
+        dest="tokenizer_command", required=True, parser_class=_Parser
+    )
+    tok_train = tokenizer_commands.add_parser(
+        "train", help="train byte-level BPE on a sample of data.sources"
+    )
+    with_config(tok_train)
+    tok_train.add_argument("--out", required=True, help="where to write tokenizer.json")
+    tok_train.add_argument("--sample-bytes", type=int, default=20_000_000)
     config = commands.add_parser("config", help="inspect configs")
     config_commands = config.add_subparsers(
         dest="config_command", required=True, parser_class=_Parser
@@ -94,9 +104,16 @@ def run(argv: list[str]) -> int:
         from raytrain_lm.data.prepare import prepare
 
         prepared = prepare(cfg.data)
+        m = prepared.manifest
         state = "prepared" if prepared.created else "already prepared (nothing to do)"
-        print(f"{state}: {prepared.directory}")
+        print(
+            f"{state}: {prepared.directory} ({m.splits['train'].tokens:,} train / "
+            f"{m.splits['val'].tokens:,} val tokens, {m.documents:,} documents, "
+            f"{m.tokenizer_kind} tokenizer, vocab {m.vocab_size})"
+        )
         return 0
+    if args.command == "tokenizer":
+        return _train_tokenizer(cfg, args.out, args.sample_bytes)
 
     from raytrain_lm.api import train
 
@@ -105,7 +122,43 @@ def run(argv: list[str]) -> int:
     return 0
 
 
+def _train_tokenizer(cfg, out: str, sample_bytes: int) -> int:
+    from pathlib import Path
+
+    from raytrain_lm.data.prepare import train_bpe
+    from raytrain_lm.runtime import ensure_local_ray
+    from raytrain_lm.tokenization import TOKENIZER_FILE
+
+    target = Path(out)
+    if target.suffix != ".json":
+        target = target / TOKENIZER_FILE
+    if target.exists():
+        raise UserError(f"{target} exists; remove it or choose another --out")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"cannot create {target.parent}: {exc.strerror}") from None
+    ensure_local_ray()
+    tokenizer = train_bpe(cfg.data, sample_bytes=sample_bytes)
+    target.write_text(tokenizer.to_json(), encoding="utf-8")
+    print(f"trained byte-level BPE (vocab {tokenizer.vocab_size}) -> {target}")
+    print(f"use it with: --set data.tokenizer.kind=bpe --set data.tokenizer.path={target}")
+    return 0
+
+
+def _quiet_logs() -> None:
+    """The CLI speaks for itself: Ray's INFO chatter stays in Ray's log files."""
+    import logging
+    import os
+
+    os.environ.setdefault("RAY_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("RAY_DATA_LOG_LEVEL", "ERROR")
+    for name in ("ray.data", "ray.train", "ray.tune"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
 def main() -> None:
+    _quiet_logs()
     try:
         code = run(sys.argv[1:])
     except UserError as exc:

@@ -61,8 +61,15 @@ class DataConfig(_Section):
         default_factory=lambda: ["builtin:python-stdlib"],
         description="text files, folders or globs; builtin:python-stdlib / builtin:python-docs",
     )
-    cache_dir: str = "data"
+    prepared: str | None = Field(
+        None, description="train on this folder written by `raytrain-lm prepare`; sources unused"
+    )
+    text_field: str = Field("text", description="JSON Lines field / Parquet column holding text")
+    cache_dir: str = Field("data", description="where prepared datasets go (a path or a URI)")
     val_fraction: float = Field(0.1, gt=0.0, lt=0.5)
+    val_max_tokens: int | None = Field(
+        20_000_000, ge=2, description="cap on validation tokens taken from the stream's tail"
+    )
     max_source_bytes: int | None = Field(
         6_000_000, ge=1, description="cap on input bytes read (None: everything)"
     )

@@ -8,6 +8,10 @@ from raytrain_lm.config import ScalingConfig
 from raytrain_lm.errors import UserError
 
 
+def _log_level() -> str:
+    return os.environ.get("RAY_LOGGING_LEVEL", "INFO")
+
+
 def cpus_needed(scaling: ScalingConfig) -> float:
     return scaling.num_workers * scaling.cpus_per_worker + scaling.data_cpus
 
@@ -26,7 +30,7 @@ def ensure_ray(scaling: ScalingConfig) -> None:
             ray.init(address=scaling.ray_address, log_to_driver=True)
         else:
             logical = max(os.cpu_count() or 1, int(cpus_needed(scaling) + 0.999))
-            ray.init(num_cpus=logical, log_to_driver=True)
+            ray.init(num_cpus=logical, log_to_driver=True, logging_level=_log_level())
     check_schedulable(scaling, ray.cluster_resources())
 
 
@@ -56,3 +60,16 @@ def use_gpu(scaling: ScalingConfig) -> bool:
 
         return ray.cluster_resources().get("GPU", 0.0) >= scaling.num_workers
     return bool(scaling.use_gpu)
+
+
+def ensure_local_ray() -> None:
+    """A Ray to run a data job on: the running one, $RAY_ADDRESS, or a new local one."""
+    import ray
+
+    if not ray.is_initialized():
+        if os.environ.get("RAY_ADDRESS"):
+            ray.init(log_to_driver=True)
+        else:
+            ray.init(
+                num_cpus=max(2, os.cpu_count() or 1), log_to_driver=True, logging_level=_log_level()
+            )

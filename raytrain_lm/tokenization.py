@@ -170,13 +170,17 @@ def tokenizer_from_json(text: str, origin: str = "tokenizer") -> Tokenizer:
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
-    """Loads `tokenizer.json` from a file path or the directory holding it."""
-    file = Path(path)
-    if file.is_dir():
-        file = file / TOKENIZER_FILE
-    if not file.is_file():
-        raise UserError(f"tokenizer file not found: {file}")
-    return tokenizer_from_json(file.read_text(encoding="utf-8"), str(file))
+    """Loads `tokenizer.json` from a file or the folder holding it (local path or URI)."""
+    from raytrain_lm.data import storage
+
+    file = str(path)
+    if not file.endswith(".json"):
+        file = storage.join(file, TOKENIZER_FILE)
+    try:
+        text = storage.read_bytes(file).decode("utf-8")
+    except (OSError, ValueError):
+        raise UserError(f"tokenizer file not found: {file}") from None
+    return tokenizer_from_json(text, file)
 
 
 def token_dtype(vocab_size: int) -> np.dtype:

@@ -25,9 +25,10 @@ TINY = [
 ]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="session", autouse=True)
 def ray_session():
-    """One Ray for every training test; logical CPUs cover 4 workers plus Ray Data."""
+    """One Ray for the session, started before anything else can start a smaller one
+    (`prepare` starts a local Ray when none runs); logical CPUs cover 4 workers plus Ray Data."""
     import ray
 
     if not ray.is_initialized():

@@ -134,3 +134,44 @@ def test_cli_refuses_a_corrupted_shard_before_training(tmp_path):
     assert result.returncode == 2
     assert "shard train-00000.parquet is corrupted" in result.stderr
     assert not (tmp_path / "runs").exists()
+
+
+def test_tokenizer_train_then_prepare_then_mismatches_are_refused(tmp_path):
+    (tmp_path / "corpus.txt").write_text(
+        "Byte-level BPE 训练 on a small sample. " * 3000, encoding="utf-8"
+    )
+    base = ["--set", "data.sources=corpus.txt", "--set", "data.cache_dir=d"]
+    trained = _cli(
+        ["tokenizer", "train", *base, "--set", "data.tokenizer.vocab_size=300", "--out", "tok"],
+        tmp_path,
+    )
+    assert trained.returncode == 0, trained.stderr
+    assert (tmp_path / "tok" / "tokenizer.json").is_file()
+    again = _cli(["tokenizer", "train", *base, "--out", "tok"], tmp_path)
+    assert again.returncode == 2 and "exists" in again.stderr
+
+    bpe = [
+        *base,
+        "--set",
+        "data.tokenizer.kind=bpe",
+        "--set",
+        "data.tokenizer.path=tok/tokenizer.json",
+    ]
+    prepared = _cli(["prepare", *bpe], tmp_path)
+    assert prepared.returncode == 0 and "bpe tokenizer, vocab 2" in prepared.stdout, prepared.stderr
+    folder = next(p for p in (tmp_path / "d").iterdir() if not p.name.startswith("."))
+
+    cases = [
+        (["--set", "data.tokenizer.kind=char"], "uses a bpe tokenizer"),
+        (
+            ["--set", "data.tokenizer.kind=bpe", "--set", "model.vocab_size=100"],
+            "smaller than the prepared data's vocabulary (2",
+        ),
+    ]
+    for extra, message in cases:
+        result = _cli(["train", "--set", f"data.prepared={folder}", *extra], tmp_path)
+        assert result.returncode == 2 and message in result.stderr, result.stderr
+    (tmp_path / "nothing").mkdir()
+    result = _cli(["train", "--set", "data.prepared=nothing"], tmp_path)
+    assert result.returncode == 2 and "no manifest.json in nothing" in result.stderr
+    assert not (tmp_path / "runs").exists()

@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -68,7 +70,7 @@ def test_corrupted_shard_is_named(tmp_path):
     (tmp_path / "corpus.txt").write_text(TEXT)
     prepared = prepare(_cfg(tmp_path))
     shard = prepared.manifest.splits["train"].shards[0]
-    path = prepared.directory / shard.file
+    path = Path(prepared.directory) / shard.file
     path.write_bytes(path.read_bytes()[:-8] + b"garbage!")
     with pytest.raises(UserError, match=f"shard {shard.file} is corrupted"):
         read_shard(prepared.directory, shard)
@@ -115,3 +117,94 @@ def test_validation_set_is_fixed():
     starts = validation_starts([100, 50], seq_len=16, limit=None)
     assert starts[:2] == [(0, 0), (0, 16)] and len(starts) == 6 + 3
     assert validation_starts([100, 50], seq_len=16, limit=4) == starts[:4]
+
+
+DOCS = [
+    "first document, plain ASCII.",
+    "第二个文档：中文与表情 🎉🚀",
+    "third: naïve café ÆØÅ",
+    "fourth 🐍 def f(): pass",
+]
+
+
+def _write_formats(folder: Path) -> None:
+    import gzip
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder.mkdir()
+    (folder / "a.txt").write_text(DOCS[0], encoding="utf-8")
+    with gzip.open(folder / "b.jsonl.gz", "wt", encoding="utf-8") as f:
+        f.write(json.dumps({"body": DOCS[1], "id": 1}, ensure_ascii=False) + "\n")
+    with pa.CompressedOutputStream(str(folder / "c.jsonl.zst"), "zstd") as f:
+        f.write((json.dumps({"body": DOCS[2]}) + "\n").encode())
+    pq.write_table(pa.table({"body": [DOCS[3]], "other": [7]}), folder / "d.parquet")
+
+
+@pytest.mark.parametrize("kind", ["byte", "bpe"])
+def test_prepare_reads_txt_jsonl_gz_zst_and_parquet(tmp_path, kind):
+    _write_formats(tmp_path / "in")
+    cfg = DataConfig(
+        sources=[str(tmp_path / "in")],
+        cache_dir=str(tmp_path / "data"),
+        text_field="body",
+        val_fraction=0.05,
+        tokenizer={"kind": kind, "vocab_size": 300},
+    )
+    prepared = prepare(cfg, progress=False)
+    manifest = prepared.manifest
+    assert manifest.documents == 4 and len(manifest.inputs) == 4
+    tok = load_tokenizer(prepared.directory)
+    stream = np.concatenate(
+        [
+            read_shard(prepared.directory, s)
+            for split in ("train", "val")
+            for s in manifest.splits[split].shards
+        ]
+    )
+    pieces = np.split(stream, np.nonzero(stream == manifest.eot_id)[0] + 1)[:-1]
+    assert [tok.decode(p[:-1].tolist()) for p in pieces] == DOCS  # input order, exact round trip
+
+
+def test_jsonl_without_the_text_field_is_refused(tmp_path):
+    (tmp_path / "x.jsonl").write_text('{"content": "hello"}\n')
+    cfg = DataConfig(sources=[str(tmp_path / "x.jsonl")], cache_dir=str(tmp_path / "data"))
+    with pytest.raises(UserError, match="line 1: no 'text' field; set data.text_field"):
+        prepare(cfg, progress=False)
+    assert not (tmp_path / "data").exists()
+
+
+def test_missing_and_broken_inputs_are_refused(tmp_path):
+    with pytest.raises(UserError, match="input not found"):
+        prepare(DataConfig(sources=[str(tmp_path / "nope.txt")], cache_dir=str(tmp_path / "d")))
+    (tmp_path / "link.txt").symlink_to(tmp_path / "gone.txt")
+    with pytest.raises(UserError, match="input not found"):
+        prepare(DataConfig(sources=[str(tmp_path / "link.txt")], cache_dir=str(tmp_path / "d")))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError, match="holds no text"):
+        prepare(DataConfig(sources=[str(tmp_path / "empty")], cache_dir=str(tmp_path / "d")))
+    with pytest.raises(UserError, match="not a prepared dataset"):
+        prepare(DataConfig(prepared=str(tmp_path / "empty")))
+
+
+def test_published_data_is_never_changed_by_a_failed_run(tmp_path):
+    (tmp_path / "corpus.txt").write_text(TEXT)
+    first = prepare(_cfg(tmp_path))
+    before = {p.name: p.read_bytes() for p in Path(first.directory).iterdir()}
+    (tmp_path / "corpus.txt").write_text("   ")
+    with pytest.raises(UserError, match="empty corpus"):
+        prepare(_cfg(tmp_path))
+    assert {p.name: p.read_bytes() for p in Path(first.directory).iterdir()} == before
+    assert sorted(p.name for p in (tmp_path / "data").iterdir()) == [Path(first.directory).name]
+
+
+def test_file_uri_inputs_and_outputs(tmp_path):
+    (tmp_path / "corpus.txt").write_text(TEXT)
+    cfg = DataConfig(sources=[f"file://{tmp_path}/*.txt"], cache_dir=f"file://{tmp_path}/remote")
+    prepared = prepare(cfg, progress=False)
+    assert prepared.directory.startswith("file://")
+    tokens = read_shard(prepared.directory, prepared.manifest.splits["train"].shards[0])
+    assert len(tokens) == prepared.manifest.splits["train"].shards[0].tokens
+    assert not prepare(cfg, progress=False).created

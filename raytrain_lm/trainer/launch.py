@@ -16,8 +16,10 @@ import yaml
 from raytrain_lm.config import RunConfig, flatten, to_yaml
 from raytrain_lm.data.manifest import verify_shards
 from raytrain_lm.data.prepare import prepare
+from raytrain_lm.data.storage import is_uri
 from raytrain_lm.errors import UserError
 from raytrain_lm.runtime import ensure_ray, use_gpu
+from raytrain_lm.tokenization import TOKENIZER_FILE, load_tokenizer
 from raytrain_lm.tracking import MLflowTracker, resolve_tracking_uri
 from raytrain_lm.trainer.checkpoint import CONFIG_FILE, latest_complete_checkpoint, read_state
 
@@ -57,6 +59,25 @@ def _check_resume_compatible(cfg: RunConfig, run_dir: Path) -> None:
                 )
 
 
+def check_data_matches_model(cfg: RunConfig, manifest) -> None:
+    """Refuses a prepared dataset whose tokenizer or vocabulary the config cannot use."""
+    if cfg.data.prepared and manifest.tokenizer_kind != cfg.data.tokenizer.kind:
+        raise UserError(
+            f"prepared data {cfg.data.prepared} uses a {manifest.tokenizer_kind} tokenizer, "
+            f"the config says data.tokenizer.kind={cfg.data.tokenizer.kind}"
+        )
+    if cfg.model.vocab_size is not None and cfg.model.vocab_size < manifest.vocab_size:
+        raise UserError(
+            f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the prepared data's "
+            f"vocabulary ({manifest.vocab_size}, {manifest.tokenizer_kind} tokenizer)"
+        )
+    needed = cfg.model.block_size + 1
+    if not any(s.tokens >= needed for s in manifest.splits["train"].shards):
+        raise UserError(
+            f"training split too small: no shard holds {needed} tokens (model.block_size + 1)"
+        )
+
+
 def _tracking(cfg: RunConfig, run_dir: Path) -> MLflowTracker | None:
     if not cfg.tracking.enabled:
         return None
@@ -83,37 +104,38 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     _check_writable(storage)
     _check_resume_compatible(cfg, run_dir)
 
+    if not cfg.data.prepared:
+        ensure_ray(cfg.scaling)  # prepare runs as a Ray Data job; size Ray for training first
     prepared = prepare(cfg.data)
     manifest = prepared.manifest
     if not prepared.created:
         verify_shards(prepared.directory, manifest)  # refuse corrupted data before starting
-    verb = "prepared" if prepared.created else "reusing prepared"
+    verb = "prepared" if prepared.created else "using prepared"
     print(
         f"[raytrain-lm] {verb} data {prepared.directory}: {manifest.splits['train'].tokens:,} train "
         f"/ {manifest.splits['val'].tokens:,} val tokens, {manifest.tokenizer_kind} tokenizer "
         f"(vocab {manifest.vocab_size})",
         flush=True,
     )
-    if cfg.model.vocab_size is not None and cfg.model.vocab_size < manifest.vocab_size:
-        raise UserError(
-            f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the tokenizer's "
-            f"vocabulary ({manifest.vocab_size})"
-        )
+    check_data_matches_model(cfg, manifest)
+    ensure_ray(cfg.scaling)
 
     previous = latest_complete_checkpoint(run_dir)
-    ensure_ray(cfg.scaling)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / CONFIG_FILE).write_text(to_yaml(cfg))
     tracker = _tracking(cfg, run_dir)
     if tracker is not None:
         tracker.log_params(flatten(cfg))
         tracker.log_artifact(run_dir / CONFIG_FILE)
-        tracker.log_artifact(prepared.directory / "tokenizer.json")
+        load_tokenizer(prepared.directory).save(run_dir)
+        tracker.log_artifact(run_dir / TOKENIZER_FILE)
 
     gpu = use_gpu(cfg.scaling)
     payload = {
         "config": cfg.model_dump(mode="json"),
-        "data_dir": str(prepared.directory.resolve()),
+        "data_dir": prepared.directory
+        if is_uri(prepared.directory)
+        else os.path.abspath(prepared.directory),
         "run_dir": str(run_dir),
         "tracking_uri": tracker.uri if tracker else None,
         "mlflow_run_id": tracker.run_id if tracker else None,
