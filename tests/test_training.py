@@ -137,3 +137,34 @@ def test_changed_model_on_resume_is_refused(ray_session, tiny_overrides):
     _run(overrides)
     with pytest.raises(UserError, match="exists with model.n_layer=2, now 3"):
         _run([*overrides, "model.n_layer=3"])
+
+
+def test_exactly_once_across_a_2_3_1_resize(ray_session, tiny_overrides, tmp_path):
+    """Stop and restart with a different number of workers each time: the multiset of trained
+    sequence positions equals an uninterrupted run's, each position exactly once."""
+    from raytrain_lm.data.ledger import read_ledger
+
+    common = [
+        *tiny_overrides,
+        "training.global_batch_size=6",
+        "training.max_steps=9",
+        "training.eval_every=9",
+        "checkpoint.every_steps=3",
+        "training.ledger=true",
+        "data.shuffle_window_shards=1",
+    ]
+    straight = _run([*common, "name=uninterrupted", "scaling.num_workers=2"])
+    for workers, stop in ((2, 3), (3, 6), (1, None)):
+        extra = [f"training.stop_after_step={stop}"] if stop else []
+        summary = _run([*common, "name=resized", f"scaling.num_workers={workers}", *extra])
+        assert summary["steps"] == (stop or 9)
+    assert summary["tokens"] == straight["tokens"] == 9 * 6 * 32
+    resized = read_ledger(tmp_path / "runs" / "resized")
+    assert resized.tolist() == read_ledger(tmp_path / "runs" / "uninterrupted").tolist()
+    assert resized.tolist() == list(range(9 * 6))
+    uri = _uri(common)
+    client = MlflowClient(tracking_uri=uri)
+    sizes = sorted(
+        (m.step, m.value) for m in client.get_metric_history(summary["mlflow_run_id"], "world_size")
+    )
+    assert sizes == [(0, 2.0), (3, 3.0), (6, 1.0)]  # the world size logged at each (re)start

@@ -70,7 +70,7 @@ def evaluate(
     for tokens in validation_batches(
         data_dir, manifest, cfg.model.block_size, cfg.training.eval_sequences, rank, world, batch
     ):
-        t = torch.from_numpy(tokens).to(device)
+        t = torch.from_numpy(tokens.astype(np.int64)).to(device)
         with hardware.autocast(device, bf16):
             _, loss = model(t[:, :-1], t[:, 1:])
         total += float(loss) * t.shape[0]
@@ -208,8 +208,8 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
             positions, tokens = next(batches)
             data_wait += time.perf_counter() - waited
             if cfg.training.ledger:
-                ledger.append(positions)
-            t = torch.from_numpy(tokens).to(device, non_blocking=True)
+                ledger.append(positions.copy())  # a view would pin its Ray Data block
+            t = torch.from_numpy(tokens.astype(np.int64)).to(device, non_blocking=True)
             sync = contextlib.nullcontext()
             if is_ddp and micro < plan.accumulation - 1:
                 sync = model.no_sync()  # all-reduce gradients once, on the last micro-batch
