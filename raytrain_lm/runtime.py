@@ -70,6 +70,7 @@ def ensure_local_ray() -> None:
         if os.environ.get("RAY_ADDRESS"):
             ray.init(log_to_driver=True)
         else:
+            # logical CPUs also cover the default training run that usually follows
             ray.init(
-                num_cpus=max(2, os.cpu_count() or 1), log_to_driver=True, logging_level=_log_level()
+                num_cpus=max(4, os.cpu_count() or 1), log_to_driver=True, logging_level=_log_level()
             )

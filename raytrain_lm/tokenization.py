@@ -97,6 +97,11 @@ class CharTokenizer(Tokenizer):
                 f"character {exc.args[0]!r} is not in the tokenizer's alphabet"
             ) from None
 
+    def encode_known(self, text: str) -> tuple[list[int], int]:
+        """Ids of the characters in the alphabet, and how many characters were not."""
+        ids = [self._index[c] for c in text if c in self._index]
+        return ids, len(text) - len(ids)
+
     def decode(self, ids: Iterable[int]) -> str:
         return "".join(self.chars[i] for i in ids if 0 <= i < len(self.chars))
 

@@ -208,3 +208,18 @@ def test_file_uri_inputs_and_outputs(tmp_path):
     tokens = read_shard(prepared.directory, prepared.manifest.splits["train"].shards[0])
     assert len(tokens) == prepared.manifest.splits["train"].shards[0].tokens
     assert not prepare(cfg, progress=False).created
+
+
+def test_char_alphabet_follows_the_byte_cap(tmp_path):
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.txt").write_text("abcabc " * 100)
+    (tmp_path / "in" / "b.txt").write_text("☃ snowmen beyond the cap ☃")
+    cfg = DataConfig(
+        sources=[str(tmp_path / "in")],
+        cache_dir=str(tmp_path / "data"),
+        max_source_bytes=710,
+        tokenizer={"kind": "char"},
+    )
+    prepared = prepare(cfg, progress=False)
+    assert prepared.manifest.documents == 1
+    assert load_tokenizer(prepared.directory).chars == [" ", "a", "b", "c"]
