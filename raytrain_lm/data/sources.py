@@ -1,0 +1,198 @@
+"""Where text comes from: files, folders and globs on local disk or any `pyarrow.fs`
+filesystem, in plain text, JSON Lines or Parquet (optionally gzip or zstd compressed), and two
+corpora that ship with every Python (`builtin:python-stdlib`, `builtin:python-docs`).
+
+Undecodable bytes are replaced (U+FFFD) and counted, never fatal: the count is reported by
+`prepare` and recorded in the manifest.
+"""
+
+from __future__ import annotations
+
+import ast
+import fnmatch
+import glob
+import json
+import os
+import sys
+import sysconfig
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from raytrain_lm.data.storage import filesystem, is_uri
+from raytrain_lm.errors import UserError
+
+BUILTIN_DOCS = "builtin:python-docs"
+BUILTIN_STDLIB = "builtin:python-stdlib"
+TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".text"}
+JSONL_SUFFIXES = {".jsonl", ".ndjson", ".json"}
+PARQUET_SUFFIXES = {".parquet"}
+COMPRESSION_SUFFIXES = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}
+KNOWN_SUFFIXES = TEXT_SUFFIXES | JSONL_SUFFIXES | PARQUET_SUFFIXES
+# Test suites and vendored trees are skipped: they are huge and read unlike ordinary code.
+_STDLIB_SKIP = {"test", "tests", "idlelib", "site-packages", "dist-packages", "lib2to3", "ensurepip"}
+_DOC_NODES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+
+
+@dataclass(frozen=True)
+class Document:
+    source: str
+    text: str
+    replaced_bytes: int = 0  # undecodable bytes turned into U+FFFD
+
+
+@dataclass(frozen=True)
+class InputFile:
+    """One input: a local path, a URI, or a builtin corpus marker; size/mtime identify it."""
+
+    uri: str
+    size: int = 0
+    mtime_ns: int = 0
+
+    def identity(self) -> dict:
+        if self.uri == BUILTIN_DOCS:
+            return {"input": self.uri, "python": sys.version.split()[0]}
+        return {"input": self.uri, "bytes": self.size, "mtime_ns": self.mtime_ns}
+
+
+def _kind(name: str) -> tuple[str, str | None]:
+    """('text' | 'jsonl' | 'parquet' | '', compression) from a file name."""
+    stem, suffix = os.path.splitext(name.lower())
+    compression = COMPRESSION_SUFFIXES.get(suffix)
+    if compression:
+        suffix = os.path.splitext(stem)[1]
+    if suffix in JSONL_SUFFIXES:
+        return "jsonl", compression
+    if suffix in PARQUET_SUFFIXES and not compression:
+        return "parquet", None
+    if suffix in TEXT_SUFFIXES:
+        return "text", compression
+    return "", compression
+
+
+def _stdlib_files() -> list[Path]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in _STDLIB_SKIP and not d.startswith("_"))
+        files.extend(Path(dirpath) / f for f in sorted(filenames) if f.endswith(".py"))
+    return files
+
+
+def _file(info: pafs.FileInfo, uri: str) -> InputFile:
+    mtime = info.mtime_ns if info.mtime_ns is not None else 0
+    return InputFile(uri, info.size or 0, mtime)
+
+
+def _uri_for(source: str, inner: str) -> str:
+    if is_uri(source):
+        return f"{source.split('://', 1)[0]}://{inner.lstrip('/')}" if not source.startswith("file://") else f"file://{inner}"
+    return inner
+
+
+def expand_source(source: str) -> list[InputFile]:
+    """A source spec -> the concrete inputs it names, sorted."""
+    if source.startswith("builtin:"):
+        if source == BUILTIN_DOCS:
+            return [InputFile(BUILTIN_DOCS)]
+        if source == BUILTIN_STDLIB:
+            return [_file(pafs.LocalFileSystem().get_file_info(str(p)), str(p)) for p in _stdlib_files()]
+        raise UserError(f"unknown builtin corpus '{source}'; use {BUILTIN_STDLIB} or {BUILTIN_DOCS}")
+    try:
+        fs, inner = filesystem(source)
+    except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
+        raise UserError(f"cannot open input {source}: {exc}".splitlines()[0]) from None
+    if not is_uri(source) and any(c in source for c in "*?["):
+        matches = sorted(p for p in glob.glob(os.path.expanduser(source), recursive=True) if os.path.isfile(p))
+        infos = [(fs.get_file_info(os.path.abspath(p)), os.path.abspath(p)) for p in matches]
+    elif any(c in inner for c in "*?["):
+        base = inner[: min(inner.index(c) for c in "*?[" if c in inner)].rsplit("/", 1)[0]
+        listing = fs.get_file_info(pafs.FileSelector(base, recursive=True, allow_not_found=True))
+        infos = [(i, i.path) for i in listing if i.type == pafs.FileType.File and fnmatch.fnmatch(i.path, inner)]
+    else:
+        info = fs.get_file_info(inner)
+        if info.type == pafs.FileType.File:
+            infos = [(info, inner)]
+        elif info.type == pafs.FileType.Directory:
+            listing = fs.get_file_info(pafs.FileSelector(inner, recursive=True))
+            infos = [(i, i.path) for i in listing if i.type == pafs.FileType.File and _kind(i.base_name)[0]]
+            if not infos:
+                raise UserError(
+                    f"input folder {source} holds no text, JSON Lines or Parquet files"
+                )
+        else:
+            raise UserError(f"input not found: {source}")
+    if not infos:
+        raise UserError(f"input not found: {source}")
+    return [_file(info, _uri_for(source, path)) for info, path in sorted(infos, key=lambda x: x[1])]
+
+
+def _decode(data: bytes, source: str) -> Document:
+    try:
+        return Document(source, data.decode("utf-8"))
+    except UnicodeDecodeError:
+        replaced = len(data) - len(data.decode("utf-8", errors="ignore").encode("utf-8"))
+        return Document(source, data.decode("utf-8", errors="replace"), replaced)
+
+
+def _python_docs() -> Iterator[Document]:
+    """English prose that ships with Python: the reference's topics, then stdlib docstrings."""
+    from pydoc_data.topics import topics
+
+    for name in sorted(topics):
+        yield Document(f"{BUILTIN_DOCS}/{name}", topics[name])
+    for path in _stdlib_files():
+        try:
+            tree = ast.parse(path.read_bytes())
+        except (SyntaxError, ValueError):
+            continue
+        nodes = [tree, *(n for n in ast.walk(tree) if isinstance(n, _DOC_NODES))]
+        docs = [d for d in (ast.get_docstring(n) for n in nodes) if d and len(d) > 80]
+        if docs:
+            yield Document(f"{BUILTIN_DOCS}/{path.stem}", "\n\n".join(docs))
+
+
+def read_documents(item: InputFile, text_field: str = "text") -> Iterator[Document]:
+    """The documents of one input, in order: a text file is one document, a JSON Lines file
+    one per line, a Parquet file one per row of `text_field`."""
+    if item.uri == BUILTIN_DOCS:
+        yield from _python_docs()
+        return
+    kind, compression = _kind(item.uri)
+    kind = kind or "text"
+    try:
+        fs, inner = filesystem(item.uri)
+        if kind == "parquet":
+            with fs.open_input_file(inner) as f:
+                parquet = pq.ParquetFile(f)
+                if text_field not in parquet.schema_arrow.names:
+                    raise UserError(
+                        f"{item.uri}: no column '{text_field}' (columns: "
+                        f"{', '.join(parquet.schema_arrow.names)}); set data.text_field"
+                    )
+                for batch in parquet.iter_batches(columns=[text_field]):
+                    for text in batch.column(0).to_pylist():
+                        if text:
+                            yield Document(item.uri, text)
+            return
+        with fs.open_input_stream(inner, compression=compression) as f:
+            data = f.read()
+    except OSError as exc:
+        raise UserError(f"cannot read input {item.uri}: {exc}".splitlines()[0]) from None
+    if kind == "text":
+        yield _decode(data, item.uri)
+        return
+    for number, line in enumerate(data.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            raise UserError(f"{item.uri}, line {number}: not valid JSON") from None
+        if not isinstance(record, dict) or text_field not in record:
+            raise UserError(f"{item.uri}, line {number}: no '{text_field}' field; set data.text_field")
+        if isinstance(record[text_field], str) and record[text_field]:
+            yield Document(item.uri, record[text_field])

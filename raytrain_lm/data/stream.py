@@ -1,0 +1,146 @@
+"""Worker-side data: each Ray Train worker streams exactly its share of every global batch
+through Ray Data, starting at the checkpointed position.
+
+Global step s consumes positions [s*G, (s+1)*G) of the sequence order (G = global batch);
+rank r of W takes the contiguous slice [s*G + r*G/W, s*G + (r+1)*G/W), split into micro-batches
+in order. Ray Data runs the reads as tasks (parallel, prefetched, bounded by its streaming
+executor); the position arithmetic is ours, so a restart at any world size resumes exactly.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from raytrain_lm.data.manifest import Manifest, read_shard
+from raytrain_lm.data.order import SequenceOrder, validation_starts
+
+STEPS_PER_READ_TASK = 16
+
+
+class ShardCache:
+    """Keeps the most recently read shards of one split decoded in memory.
+
+    Sequences are drawn at random from one shuffle window at a time, so the cache holds a
+    whole window (`data.shuffle_window_shards` shards): memory is bounded by window x shard
+    size, and each shard is read and checksummed once per window instead of once per batch.
+    """
+
+    def __init__(self, directory: str | Path, manifest: Manifest, split: str, capacity: int = 2):
+        self.directory = str(directory)
+        self.shards = manifest.splits[split].shards
+        self.capacity = capacity
+        self._cache: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._verified: set[int] = set()
+
+    def get(self, shard: int) -> np.ndarray:
+        if shard in self._cache:
+            self._cache.move_to_end(shard)
+            return self._cache[shard]
+        tokens = read_shard(self.directory, self.shards[shard], verify=shard not in self._verified)
+        self._verified.add(shard)
+        self._cache[shard] = tokens
+        while len(self._cache) > self.capacity:
+            self._cache.popitem(last=False)
+        return tokens
+
+    def sequences(self, shards: np.ndarray, starts: np.ndarray, length: int) -> np.ndarray:
+        """Token windows in the shards' compact dtype (4x smaller than int64 in transit)."""
+        dtype = self.get(int(shards[0])).dtype if len(shards) else np.int64
+        out = np.empty((len(shards), length), dtype=dtype)
+        for shard in np.unique(shards):  # group by shard so each is decoded once per call
+            rows = np.nonzero(shards == shard)[0]
+            tokens = self.get(int(shard))
+            for row in rows:
+                out[row] = tokens[starts[row] : starts[row] + length]
+        return out
+
+
+@dataclass(frozen=True)
+class WorkerSlice:
+    """Which positions one worker consumes: `per_rank` sequences of every global batch."""
+
+    rank: int
+    world_size: int
+    global_batch: int
+
+    @property
+    def per_rank(self) -> int:
+        return self.global_batch // self.world_size
+
+    def positions(self, first_step: int, num_steps: int) -> np.ndarray:
+        steps = np.arange(first_step, first_step + num_steps, dtype=np.int64)[:, None]
+        offsets = self.rank * self.per_rank + np.arange(self.per_rank, dtype=np.int64)[None, :]
+        return (steps * self.global_batch + offsets).reshape(-1)
+
+
+class _ReadSequences:
+    """A Ray Data UDF: step ranges -> the worker's (position, tokens) rows for those steps."""
+
+    def __init__(self, directory: str, manifest: Manifest, order: SequenceOrder, part: WorkerSlice):
+        self.directory, self.manifest, self.order, self.part = directory, manifest, order, part
+        self._cache: ShardCache | None = None
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if self._cache is None:
+            self._cache = ShardCache(self.directory, self.manifest, "train", self.order.window)
+        positions = np.concatenate(
+            [self.part.positions(int(s), int(n)) for s, n in zip(batch["step"], batch["steps"])]
+        )
+        shards, starts = self.order.locate_many(positions)
+        tokens = self._cache.sequences(shards, starts, self.order.seq_len + 1)
+        return {"position": positions, "tokens": tokens}
+
+
+def stream_train_batches(
+    directory: str,
+    manifest: Manifest,
+    order: SequenceOrder,
+    part: WorkerSlice,
+    micro_batch: int,
+    first_step: int,
+    end_step: int,
+    prefetch_batches: int = 4,
+    read_cpus: float = 0.5,
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Yields (positions, tokens[micro_batch, seq_len + 1]) for steps [first_step, end_step)."""
+    import ray.data
+
+    context = ray.data.DataContext.get_current()
+    context.execution_options.preserve_order = True  # batches must arrive in position order
+    context.enable_progress_bars = False
+    items = [
+        {"step": s, "steps": min(STEPS_PER_READ_TASK, end_step - s)}
+        for s in range(first_step, end_step, STEPS_PER_READ_TASK)
+    ]
+    if not items:
+        return
+    dataset = ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
+        _ReadSequences,
+        fn_constructor_args=(directory, manifest, order, part),
+        batch_size=1,
+        concurrency=1,
+        num_cpus=read_cpus,
+    )
+    for batch in dataset.iter_batches(
+        batch_size=micro_batch, batch_format="numpy", prefetch_batches=prefetch_batches
+    ):
+        yield batch["position"], batch["tokens"]
+
+
+def validation_batches(
+    directory: str, manifest: Manifest, seq_len: int, limit: int | None, rank: int, world: int, batch: int
+) -> Iterator[np.ndarray]:
+    """This worker's strided share of the fixed validation set, in batches."""
+    shards = manifest.splits["val"].shards
+    starts = validation_starts([s.tokens for s in shards], seq_len, limit)[rank::world]
+    cache = ShardCache(directory, manifest, "val")
+    for i in range(0, len(starts), batch):
+        chunk = starts[i : i + batch]
+        yield cache.sequences(
+            np.array([s for s, _ in chunk]), np.array([t for _, t in chunk]), seq_len + 1
+        )
