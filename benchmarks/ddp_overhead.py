@@ -119,9 +119,9 @@ def main() -> None:
     import ray
 
     work = Path(tempfile.mkdtemp(prefix="raytrain-bench-"))
+    ray.init(num_cpus=4, log_to_driver=False)  # before prepare, which would start its own
     cfg = load_config(None, [f"data.cache_dir={work / 'data'}"])
     prepared = prepare(cfg.data)
-    ray.init(num_cpus=4, log_to_driver=False)
     pairs: dict[str, list[tuple[float, float]]] = {"ddp2": [], "single": []}
     for r in range(args.rounds):
         stamp = f"{r}-{int(time.time())}"
