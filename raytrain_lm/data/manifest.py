@@ -81,17 +81,29 @@ def file_sha256(path: str | Path) -> str:
     return digest.hexdigest()
 
 
-def read_shard(directory: str | Path, shard: ShardInfo, verify: bool = True) -> np.ndarray:
-    """All tokens of one shard as a flat array, after checking its checksum."""
-    path = storage.join(directory, shard.file)
-    if verify and file_sha256(path) != shard.sha256:
+def _check_checksum(path: str, shard: ShardInfo) -> None:
+    if file_sha256(path) != shard.sha256:
         raise UserError(f"shard {shard.file} is corrupted: checksum mismatch with the manifest")
+
+
+def read_tokens(path: str | Path) -> np.ndarray:
+    """The token stream stored in one shard file, as a flat array."""
     fs, inner = storage.filesystem(path)
     with fs.open_input_file(inner) as f:
         column = pq.read_table(f, columns=[TOKENS_COLUMN]).column(TOKENS_COLUMN).combine_chunks()
-    tokens = column.flatten().to_numpy(zero_copy_only=False)
+    return column.flatten().to_numpy(zero_copy_only=False)
+
+
+def read_shard(directory: str | Path, shard: ShardInfo, verify: bool = True) -> np.ndarray:
+    """All tokens of one shard as a flat array, after checking its checksum."""
+    path = storage.join(directory, shard.file)
+    if verify:
+        _check_checksum(path, shard)
+    tokens = read_tokens(path)
     if len(tokens) != shard.tokens:
-        raise UserError(f"shard {shard.file} holds {len(tokens)} tokens, manifest says {shard.tokens}")
+        raise UserError(
+            f"shard {shard.file} holds {len(tokens)} tokens, manifest says {shard.tokens}"
+        )
     return tokens
 
 
@@ -101,6 +113,7 @@ def verify_shards(directory: str | Path, manifest: Manifest) -> None:
         for shard in split.shards:
             path = storage.join(directory, shard.file)
             if not storage.exists(path):
-                raise UserError(f"shard {shard.file} listed in the manifest is missing from {directory}")
-            if file_sha256(path) != shard.sha256:
-                raise UserError(f"shard {shard.file} is corrupted: checksum mismatch with the manifest")
+                raise UserError(
+                    f"shard {shard.file} listed in the manifest is missing from {directory}"
+                )
+            _check_checksum(path, shard)

@@ -86,15 +86,8 @@ class SequenceOrder:
 
     def locate(self, position: int) -> tuple[int, int]:
         """position -> (shard id, index of its first token in that shard)."""
-        epoch, index = self.epoch_of(position)
-        layout = self._layout(epoch)
-        window = int(np.searchsorted(layout.window_starts, index, side="right")) - 1
-        local = int(self._window_perm(epoch, window)[index - layout.window_starts[window]])
-        shards = layout.window_shards[window]
-        counts = self._counts(layout.offset)[shards]
-        slot = int(np.searchsorted(np.cumsum(counts), local, side="right"))
-        within = local - int(counts[:slot].sum())
-        return int(shards[slot]), layout.offset + within * self.seq_len
+        shards, starts = self.locate_many(np.array([position]))
+        return int(shards[0]), int(starts[0])
 
     def locate_many(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Vectorised `locate`: arrays of shard ids and first-token offsets."""
@@ -126,7 +119,9 @@ class SequenceOrder:
         return shards, starts
 
 
-def validation_starts(shard_tokens: list[int], seq_len: int, limit: int | None) -> list[tuple[int, int]]:
+def validation_starts(
+    shard_tokens: list[int], seq_len: int, limit: int | None
+) -> list[tuple[int, int]]:
     """The fixed validation set: (shard, first token) of consecutive sequences, unshuffled."""
     starts = []
     for shard, tokens in enumerate(shard_tokens):

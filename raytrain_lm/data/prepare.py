@@ -34,6 +34,7 @@ from raytrain_lm.data.manifest import (
     ShardInfo,
     SplitInfo,
     file_sha256,
+    read_tokens,
 )
 from raytrain_lm.data.sources import InputFile, expand_source, read_documents
 from raytrain_lm.errors import UserError
@@ -70,7 +71,11 @@ def _read_documents(row: dict, text_field: str):
     for doc in read_documents(item, text_field):
         if not doc.text.strip():
             continue  # blank documents would only add end-of-text tokens
-        yield {"text": doc.text, "bytes": len(doc.text.encode("utf-8")), "replaced": doc.replaced_bytes}
+        yield {
+            "text": doc.text,
+            "bytes": len(doc.text.encode("utf-8")),
+            "replaced": doc.replaced_bytes,
+        }
 
 
 @functools.lru_cache(maxsize=2)
@@ -155,7 +160,9 @@ def _capped_texts(inputs: list[InputFile], cfg: DataConfig, limit: int | None):
     """Document texts in order while their bytes fit under `limit` (for alphabet/BPE sample)."""
     total = 0
     for batch in _documents(inputs, cfg.text_field).iter_batches(batch_format="pyarrow"):
-        for text, size in zip(batch.column("text").to_pylist(), batch.column("bytes").to_pylist(), strict=True):
+        for text, size in zip(
+            batch.column("text").to_pylist(), batch.column("bytes").to_pylist(), strict=True
+        ):
             if limit is not None and total + size > limit and total > 0:
                 return
             total += size
@@ -174,7 +181,9 @@ def _build_tokenizer(cfg: DataConfig, inputs: list[InputFile]) -> Tokenizer:
     return train_bpe(cfg, inputs, limit)
 
 
-def train_bpe(cfg: DataConfig, inputs: list[InputFile] | None = None, sample_bytes: int = BPE_SAMPLE_BYTES) -> BPETokenizer:
+def train_bpe(
+    cfg: DataConfig, inputs: list[InputFile] | None = None, sample_bytes: int = BPE_SAMPLE_BYTES
+) -> BPETokenizer:
     """Byte-level BPE trained on the first `sample_bytes` of the configured inputs."""
     inputs = inputs if inputs is not None else _expand(cfg)
     sample = list(_capped_texts(inputs, cfg, sample_bytes))
@@ -213,13 +222,11 @@ class _ShardWriter:
 
 
 def write_shard(path: Path, tokens: np.ndarray) -> None:
-    offsets = np.unique(np.append(np.arange(0, len(tokens), ROW_TOKENS), len(tokens))).astype(np.int32)
+    offsets = np.unique(np.append(np.arange(0, len(tokens), ROW_TOKENS), len(tokens))).astype(
+        np.int32
+    )
     column = pa.ListArray.from_arrays(pa.array(offsets), pa.array(tokens))
     pq.write_table(pa.table({TOKENS_COLUMN: column}), path, compression="zstd")
-
-
-def _read_local_shard(path: Path) -> np.ndarray:
-    return pq.read_table(path).column(TOKENS_COLUMN).combine_chunks().flatten().to_numpy()
 
 
 def _split(staging: Path, shards: list[tuple[str, int]], n_val: int) -> dict[str, SplitInfo]:
@@ -236,7 +243,7 @@ def _split(staging: Path, shards: list[tuple[str, int]], n_val: int) -> dict[str
         elif start >= boundary:
             pieces.append(("val", None, count))
         else:
-            tokens = _read_local_shard(staging / file)
+            tokens = read_tokens(staging / file)
             cut = boundary - start
             pieces += [("train", tokens[:cut], cut), ("val", tokens[cut:], count - cut)]
         for split_name, tokens, n in pieces:
@@ -246,7 +253,14 @@ def _split(staging: Path, shards: list[tuple[str, int]], n_val: int) -> dict[str
                 os.rename(staging / file, staging / name)
             else:
                 write_shard(staging / name, tokens)
-            split.shards.append(ShardInfo(name, n, pq.ParquetFile(staging / name).metadata.num_rows, file_sha256(staging / name)))
+            split.shards.append(
+                ShardInfo(
+                    name,
+                    n,
+                    pq.ParquetFile(staging / name).metadata.num_rows,
+                    file_sha256(staging / name),
+                )
+            )
             split.tokens += n
         if (staging / file).exists():
             (staging / file).unlink()
@@ -294,7 +308,9 @@ def prepare(cfg: DataConfig, progress: bool = True) -> PreparedData:
     return PreparedData(target, Manifest.load(target), created=True)
 
 
-def _run(cfg: DataConfig, inputs: list[InputFile], fingerprint: str, staging: Path, progress: bool) -> Manifest:
+def _run(
+    cfg: DataConfig, inputs: list[InputFile], fingerprint: str, staging: Path, progress: bool
+) -> Manifest:
     from tqdm import tqdm
 
     tokenizer = _build_tokenizer(cfg, inputs)
@@ -307,10 +323,19 @@ def _run(cfg: DataConfig, inputs: list[InputFile], fingerprint: str, staging: Pa
         batch_format="pyarrow",
     )
     # Progress goes to stdout so that stderr carries nothing but problems.
-    bar = tqdm(desc="prepare", unit="tok", unit_scale=True, disable=not progress, smoothing=0.1, file=sys.stdout)
+    bar = tqdm(
+        desc="prepare",
+        unit="tok",
+        unit_scale=True,
+        disable=not progress,
+        smoothing=0.1,
+        file=sys.stdout,
+    )
     total_bytes = docs = replaced = 0
     capped = False
-    for batch in documents.iter_batches(batch_format="pyarrow", batch_size=None, prefetch_batches=4):
+    for batch in documents.iter_batches(
+        batch_format="pyarrow", batch_size=None, prefetch_batches=4
+    ):
         sizes = batch.column("bytes").to_numpy()
         take = len(sizes)
         if cfg.max_source_bytes is not None:
@@ -321,7 +346,9 @@ def _run(cfg: DataConfig, inputs: list[InputFile], fingerprint: str, staging: Pa
                 take = max(take, 1 if total_bytes == 0 else 0)  # never an empty corpus by the cap
         if take:
             if pa.compute.sum(batch.column("unknown").slice(0, take)).as_py():
-                raise RuntimeError("a document under the byte cap has characters outside the alphabet")
+                raise RuntimeError(
+                    "a document under the byte cap has characters outside the alphabet"
+                )
             column = batch.column("tokens").slice(0, take).combine_chunks()
             tokens = column.flatten().to_numpy(zero_copy_only=False)
             writer.append(tokens)
@@ -366,7 +393,9 @@ def _publish(staging: Path, target: str, manifest: Manifest, remote: bool) -> No
         try:
             os.rename(staging, target)
         except OSError:
-            if not Path(target, MANIFEST_FILE).is_file():  # lost a race to an identical writer: fine
+            if not Path(
+                target, MANIFEST_FILE
+            ).is_file():  # lost a race to an identical writer: fine
                 raise
         return
     fs, inner = storage.filesystem(target)

@@ -33,7 +33,15 @@ PARQUET_SUFFIXES = {".parquet"}
 COMPRESSION_SUFFIXES = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}
 KNOWN_SUFFIXES = TEXT_SUFFIXES | JSONL_SUFFIXES | PARQUET_SUFFIXES
 # Test suites and vendored trees are skipped: they are huge and read unlike ordinary code.
-_STDLIB_SKIP = {"test", "tests", "idlelib", "site-packages", "dist-packages", "lib2to3", "ensurepip"}
+_STDLIB_SKIP = {
+    "test",
+    "tests",
+    "idlelib",
+    "site-packages",
+    "dist-packages",
+    "lib2to3",
+    "ensurepip",
+}
 _DOC_NODES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
 
 
@@ -89,7 +97,11 @@ def _file(info: pafs.FileInfo, uri: str) -> InputFile:
 
 def _uri_for(source: str, inner: str) -> str:
     if is_uri(source):
-        return f"{source.split('://', 1)[0]}://{inner.lstrip('/')}" if not source.startswith("file://") else f"file://{inner}"
+        return (
+            f"{source.split('://', 1)[0]}://{inner.lstrip('/')}"
+            if not source.startswith("file://")
+            else f"file://{inner}"
+        )
     return inner
 
 
@@ -99,30 +111,42 @@ def expand_source(source: str) -> list[InputFile]:
         if source == BUILTIN_DOCS:
             return [InputFile(BUILTIN_DOCS)]
         if source == BUILTIN_STDLIB:
-            return [_file(pafs.LocalFileSystem().get_file_info(str(p)), str(p)) for p in _stdlib_files()]
-        raise UserError(f"unknown builtin corpus '{source}'; use {BUILTIN_STDLIB} or {BUILTIN_DOCS}")
+            return [
+                _file(pafs.LocalFileSystem().get_file_info(str(p)), str(p)) for p in _stdlib_files()
+            ]
+        raise UserError(
+            f"unknown builtin corpus '{source}'; use {BUILTIN_STDLIB} or {BUILTIN_DOCS}"
+        )
     try:
         fs, inner = filesystem(source)
     except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
         raise UserError(f"cannot open input {source}: {exc}".splitlines()[0]) from None
     if not is_uri(source) and any(c in source for c in "*?["):
-        matches = sorted(p for p in glob.glob(os.path.expanduser(source), recursive=True) if os.path.isfile(p))
+        matches = sorted(
+            p for p in glob.glob(os.path.expanduser(source), recursive=True) if os.path.isfile(p)
+        )
         infos = [(fs.get_file_info(os.path.abspath(p)), os.path.abspath(p)) for p in matches]
     elif any(c in inner for c in "*?["):
         base = inner[: min(inner.index(c) for c in "*?[" if c in inner)].rsplit("/", 1)[0]
         listing = fs.get_file_info(pafs.FileSelector(base, recursive=True, allow_not_found=True))
-        infos = [(i, i.path) for i in listing if i.type == pafs.FileType.File and fnmatch.fnmatch(i.path, inner)]
+        infos = [
+            (i, i.path)
+            for i in listing
+            if i.type == pafs.FileType.File and fnmatch.fnmatch(i.path, inner)
+        ]
     else:
         info = fs.get_file_info(inner)
         if info.type == pafs.FileType.File:
             infos = [(info, inner)]
         elif info.type == pafs.FileType.Directory:
             listing = fs.get_file_info(pafs.FileSelector(inner, recursive=True))
-            infos = [(i, i.path) for i in listing if i.type == pafs.FileType.File and _kind(i.base_name)[0]]
+            infos = [
+                (i, i.path)
+                for i in listing
+                if i.type == pafs.FileType.File and _kind(i.base_name)[0]
+            ]
             if not infos:
-                raise UserError(
-                    f"input folder {source} holds no text, JSON Lines or Parquet files"
-                )
+                raise UserError(f"input folder {source} holds no text, JSON Lines or Parquet files")
         else:
             raise UserError(f"input not found: {source}")
     if not infos:
@@ -193,6 +217,8 @@ def read_documents(item: InputFile, text_field: str = "text") -> Iterator[Docume
         except json.JSONDecodeError:
             raise UserError(f"{item.uri}, line {number}: not valid JSON") from None
         if not isinstance(record, dict) or text_field not in record:
-            raise UserError(f"{item.uri}, line {number}: no '{text_field}' field; set data.text_field")
+            raise UserError(
+                f"{item.uri}, line {number}: no '{text_field}' field; set data.text_field"
+            )
         if isinstance(record[text_field], str) and record[text_field]:
             yield Document(item.uri, record[text_field])

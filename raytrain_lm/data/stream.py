@@ -89,7 +89,10 @@ class _ReadSequences:
         if self._cache is None:
             self._cache = ShardCache(self.directory, self.manifest, "train", self.order.window)
         positions = np.concatenate(
-            [self.part.positions(int(s), int(n)) for s, n in zip(batch["step"], batch["steps"])]
+            [
+                self.part.positions(int(s), int(n))
+                for s, n in zip(batch["step"], batch["steps"], strict=True)
+            ]
         )
         shards, starts = self.order.locate_many(positions)
         tokens = self._cache.sequences(shards, starts, self.order.seq_len + 1)
@@ -133,7 +136,13 @@ def stream_train_batches(
 
 
 def validation_batches(
-    directory: str, manifest: Manifest, seq_len: int, limit: int | None, rank: int, world: int, batch: int
+    directory: str,
+    manifest: Manifest,
+    seq_len: int,
+    limit: int | None,
+    rank: int,
+    world: int,
+    batch: int,
 ) -> Iterator[np.ndarray]:
     """This worker's strided share of the fixed validation set, in batches."""
     shards = manifest.splits["val"].shards
