@@ -127,16 +127,93 @@ class TrainingConfig(_Section):
 
 
 class ScalingConfig(_Section):
-    num_workers: int = Field(2, ge=1)
+    num_workers: int = Field(2, ge=1, description="workers for a fixed-size run")
+    min_workers: int | None = Field(
+        None, ge=1, description="elastic runs: the fewest workers to keep training with"
+    )
+    max_workers: int | None = Field(
+        None, ge=1, description="elastic runs: the most workers to grow to (default num_workers)"
+    )
     use_gpu: bool | Literal["auto"] = "auto"
     cpus_per_worker: float = Field(1.0, gt=0.0)
+    gpus_per_worker: float = Field(1.0, gt=0.0, description="GPUs per worker when use_gpu")
+    worker_resources: dict[str, float] = Field(
+        default_factory=dict, description="extra Ray resources each worker needs"
+    )
     data_cpus: float = Field(1.0, ge=0.0, description="CPUs kept free for Ray Data tasks")
+    accelerator_type: str | list[str] | None = Field(
+        None, description="GPU type(s) workers may use, e.g. A100 or [A100, H100]"
+    )
+    capacity: Literal["any", "spot", "on_demand"] = Field(
+        "any", description="which nodes workers may use (nodes carry a spot or on_demand resource)"
+    )
+    allow_mixed_accelerators: bool = Field(
+        False, description="let one run's DDP group span several accelerator types"
+    )
+    resize_check_s: float = Field(
+        60.0, gt=0.0, description="elastic runs: how often to look for room to grow"
+    )
     ray_address: str | None = Field(None, description="cluster to join; None: start a local Ray")
+
+    @model_validator(mode="after")
+    def _elastic_bounds(self) -> ScalingConfig:
+        if self.min_size > self.max_size:
+            raise ValueError(
+                f"scaling.min_workers ({self.min_size}) exceeds the most workers allowed "
+                f"({self.max_size}, from scaling.max_workers or scaling.num_workers)"
+            )
+        return self
+
+    @property
+    def max_size(self) -> int:
+        return self.max_workers or self.num_workers
+
+    @property
+    def min_size(self) -> int:
+        return self.min_workers or self.max_size
+
+    @property
+    def elastic(self) -> bool:
+        return self.min_size < self.max_size
+
+    @property
+    def world_sizes(self) -> range:
+        return range(self.min_size, self.max_size + 1)
+
+
+class FaultConfig(_Section):
+    max_failures: int = Field(
+        3, ge=-1, description="restarts after worker/node failures (-1: unlimited)"
+    )
+    max_preemptions: int = Field(
+        -1, ge=-1, description="restarts after spot preemptions, counted apart (-1: unlimited)"
+    )
+    worker_start_timeout_s: float = Field(
+        600.0, gt=0.0, description="how long a worker group may take to start (GPU nodes boot)"
+    )
+    collective_timeout_s: float = Field(
+        300.0, gt=0.0, description="a DDP collective waiting longer than this fails"
+    )
+    step_timeout_s: float = Field(
+        900.0, gt=0.0, description="watchdog: a worker with no finished step for this long exits"
+    )
+    health_check_s: float = Field(2.0, gt=0.0, description="how often Ray Train polls workers")
+    preemption_check_s: float = Field(
+        2.0, gt=0.0, description="how often the loop asks whether a node is being preempted"
+    )
+    checkpoint_on_preemption: bool = Field(
+        True, description="write a just-in-time checkpoint when a worker's node is drained"
+    )
+    price_per_hour: dict[str, float] = Field(
+        default_factory=dict,
+        description="price per worker-hour by accelerator type (or 'cpu'), for live cost",
+    )
 
 
 class CheckpointConfig(_Section):
     every_steps: int = Field(200, ge=1)
     keep_last: int = Field(2, ge=1)
+    keep_best: bool = Field(True, description="also keep the checkpoint with the best val loss")
 
 
 class TrackingConfig(_Section):
@@ -154,20 +231,30 @@ class RunConfig(_Section):
     training: TrainingConfig = Field(default_factory=TrainingConfig)
     scaling: ScalingConfig = Field(default_factory=ScalingConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    fault: FaultConfig = Field(default_factory=FaultConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
 
     @model_validator(mode="after")
     def _batch_fits_workers(self) -> RunConfig:
-        micro, world = self.training.micro_batch_size, self.scaling.num_workers
-        unit = world * (micro or 1)
-        if self.training.global_batch_size % unit:
-            what = f"scaling.num_workers ({world})"
-            if micro:
-                what += f" x training.micro_batch_size ({micro})"
-            raise ValueError(
-                f"training.global_batch_size ({self.training.global_batch_size}) "
-                f"is not divisible by {what}"
-            )
+        # The global batch never changes with the world size, so it must split evenly at
+        # every size an elastic run may take: refuse up front, not at the first resize.
+        micro = self.training.micro_batch_size
+        for world in self.scaling.world_sizes:
+            unit = world * (micro or 1)
+            if self.training.global_batch_size % unit:
+                if self.scaling.elastic:
+                    what = (
+                        f"world size {world} (the run may use {self.scaling.min_size} to "
+                        f"{self.scaling.max_size} workers)"
+                    )
+                else:
+                    what = f"scaling.num_workers ({world})"
+                if micro:
+                    what += f" x training.micro_batch_size ({micro})"
+                raise ValueError(
+                    f"training.global_batch_size ({self.training.global_batch_size}) "
+                    f"is not divisible by {what}"
+                )
         return self
 
 

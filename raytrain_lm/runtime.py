@@ -12,8 +12,14 @@ def _log_level() -> str:
     return os.environ.get("RAY_LOGGING_LEVEL", "INFO")
 
 
-def cpus_needed(scaling: ScalingConfig) -> float:
-    return scaling.num_workers * scaling.cpus_per_worker + scaling.data_cpus
+def cpus_needed(scaling: ScalingConfig, workers: int | None = None) -> float:
+    workers = scaling.max_size if workers is None else workers
+    return workers * scaling.cpus_per_worker + scaling.data_cpus
+
+
+def joins_cluster(scaling: ScalingConfig) -> bool:
+    """A cluster we did not start may autoscale: its resources now are not its limit."""
+    return bool(scaling.ray_address or os.environ.get("RAY_ADDRESS"))
 
 
 def ensure_ray(scaling: ScalingConfig) -> None:
@@ -31,34 +37,51 @@ def ensure_ray(scaling: ScalingConfig) -> None:
         else:
             logical = max(os.cpu_count() or 1, int(cpus_needed(scaling) + 0.999))
             ray.init(num_cpus=logical, log_to_driver=True, logging_level=_log_level())
-    check_schedulable(scaling, ray.cluster_resources())
+    check_schedulable(scaling, ray.cluster_resources(), fixed_size=not joins_cluster(scaling))
 
 
-def check_schedulable(scaling: ScalingConfig, resources: dict[str, float]) -> None:
-    total = resources.get("CPU", 0.0)
-    need = cpus_needed(scaling)
-    if scaling.data_cpus < 0.1 * scaling.num_workers:
+def check_schedulable(
+    scaling: ScalingConfig, resources: dict[str, float], fixed_size: bool = True
+) -> None:
+    """Refuses what can never run. On a cluster of `fixed_size` (a local Ray) the smallest
+    allowed worker group plus the Ray Data budget must fit now; an autoscaling cluster may
+    still add nodes, so only the budget rule applies there."""
+    workers = scaling.min_size
+    if scaling.data_cpus < 0.1 * scaling.max_size:
         raise UserError(
             f"scaling.data_cpus ({scaling.data_cpus}) leaves Ray Data no CPU to read with; "
-            f"set at least {0.1 * scaling.num_workers:g} (0.1 per worker)"
+            f"set at least {0.1 * scaling.max_size:g} (0.1 per worker)"
         )
+    if not fixed_size:
+        return
+    total = resources.get("CPU", 0.0)
+    need = cpus_needed(scaling, workers)
     if need > total:
         raise UserError(
-            f"cannot schedule: {scaling.num_workers} workers x {scaling.cpus_per_worker:g} CPU "
+            f"cannot schedule: {workers} workers x {scaling.cpus_per_worker:g} CPU "
             f"+ {scaling.data_cpus:g} CPU for Ray Data needs {need:g} CPUs, the cluster has {total:g}"
         )
-    if scaling.use_gpu is True and resources.get("GPU", 0.0) < scaling.num_workers:
+    gpus = resources.get("GPU", 0.0)
+    if scaling.use_gpu is True and gpus < workers * scaling.gpus_per_worker:
         raise UserError(
-            f"scaling.use_gpu is true but the cluster has {resources.get('GPU', 0.0):g} GPUs "
-            f"for {scaling.num_workers} workers"
+            f"scaling.use_gpu is true but the cluster has {gpus:g} GPUs for {workers} workers"
         )
+    for name, amount in scaling.worker_resources.items():
+        if resources.get(name, 0.0) < workers * amount:
+            raise UserError(
+                f"cannot schedule: {workers} workers need {workers * amount:g} of resource "
+                f"'{name}' (scaling.worker_resources), the cluster has {resources.get(name, 0.0):g}"
+            )
 
 
 def use_gpu(scaling: ScalingConfig) -> bool:
+    """`auto` means: GPUs if the cluster has (or, when joined, may autoscale) GPU capacity."""
     if scaling.use_gpu == "auto":
         import ray
 
-        return ray.cluster_resources().get("GPU", 0.0) >= scaling.num_workers
+        if scaling.accelerator_type is not None:
+            return True
+        return ray.cluster_resources().get("GPU", 0.0) >= scaling.min_size
     return bool(scaling.use_gpu)
 
 

@@ -18,6 +18,7 @@ from raytrain_lm.data.manifest import verify_shards
 from raytrain_lm.data.prepare import prepare
 from raytrain_lm.data.storage import is_uri
 from raytrain_lm.errors import UserError
+from raytrain_lm.placement import worker_resources
 from raytrain_lm.runtime import ensure_ray, use_gpu
 from raytrain_lm.tokenization import TOKENIZER_FILE, load_tokenizer
 from raytrain_lm.tracking import MLflowTracker, resolve_tracking_uri
@@ -140,7 +141,7 @@ def train(cfg: RunConfig) -> dict[str, Any]:
         "tracking_uri": tracker.uri if tracker else None,
         "mlflow_run_id": tracker.run_id if tracker else None,
         "expect_checkpoint": previous is not None,
-        "read_cpus": cfg.scaling.data_cpus / cfg.scaling.num_workers,
+        "read_cpus": cfg.scaling.data_cpus / cfg.scaling.max_size,
     }
     already_done = previous is not None and read_state(previous).step >= min(
         cfg.training.max_steps, cfg.training.stop_after_step or cfg.training.max_steps
@@ -195,13 +196,16 @@ def train(cfg: RunConfig) -> dict[str, Any]:
 
 
 def _scaling(cfg: RunConfig, gpu: bool):
+    import ray
     from ray.train import ScalingConfig
 
-    resources = {"CPU": cfg.scaling.cpus_per_worker}
-    if gpu:
-        resources["GPU"] = 1
+    scaling = cfg.scaling
+    placement = worker_resources(scaling, gpu, ray.cluster_resources())
     return ScalingConfig(
-        num_workers=cfg.scaling.num_workers, use_gpu=gpu, resources_per_worker=resources
+        num_workers=(scaling.min_size, scaling.max_size) if scaling.elastic else scaling.max_size,
+        use_gpu=gpu,
+        elastic_resize_monitor_interval_s=scaling.resize_check_s,
+        **placement,
     )
 
 
