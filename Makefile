@@ -18,8 +18,10 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/raytrain-lm train
 
+# Chaos tests need a multi-node Ray of their own, so they run in a second pytest process.
 test: $(STAMP)
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q -m "not chaos"
+	$(VENV)/bin/pytest -q -m chaos
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -1,4 +1,4 @@
-"""`raytrain-lm`: train, prepare, config show, generate.
+"""`raytrain-lm`: train, sweep, prepare, config show, generate, submit/status/logs/stop, cluster.
 
 Overrides: `--set section.key=value` (repeatable) or the short form `--section.key=value`.
 User errors print one line and exit with status 2; nothing is written before validation.
@@ -81,7 +81,115 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=50)
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--output-dir", default="runs")
+    sweep = commands.add_parser(
+        "sweep",
+        help="run (or resume) a hyperparameter sweep: `sweep SWEEP.yaml`, `sweep report NAME`",
+    )
+    sweep.add_argument("target", help="sweep YAML file, or `report`")
+    sweep.add_argument("name", nargs="?", help="with `report`: the sweep's name")
+    sweep.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="override a base setting"
+    )
+    sweep.add_argument("--output-dir", default="runs", help="with `report`: where sweeps live")
+    sweep.add_argument("--out", help="with `report`: PNG path (default <sweep dir>/report.png)")
+    _add_cluster_commands(commands)
     return parser
+
+
+def _add_cluster_commands(commands) -> None:
+    def with_address(p: argparse.ArgumentParser) -> None:
+        p.add_argument(
+            "--address",
+            help="job server (dashboard) URL; default $RAY_API_SERVER_ADDRESS, a `cluster up` "
+            "cluster, then http://127.0.0.1:8265",
+        )
+
+    sub = commands.add_parser("submit", help="run `train` as a Ray job on a cluster")
+    sub.add_argument("config", nargs="?", help="YAML file inside the working dir")
+    sub.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    with_address(sub)
+    sub.add_argument("--working-dir", default=".", help="uploaded to the cluster (default .)")
+    sub.add_argument(
+        "--storage",
+        default=None,
+        help="where relative output paths go on the head (default $HOME/raytrain-lm)",
+    )
+    sub.add_argument("--job-id", help="submission id (default <run name>-<time>)")
+    sub.add_argument("--follow", action="store_true", help="stream the logs until the job ends")
+    for name, text in (
+        ("status", "show a job's state"),
+        ("logs", "print a job's logs"),
+        ("stop", "stop a job"),
+    ):
+        p = commands.add_parser(name, help=text)
+        p.add_argument("job_id")
+        with_address(p)
+        if name == "logs":
+            p.add_argument("--follow", "-f", action="store_true")
+    cluster = commands.add_parser(
+        "cluster", help="a local autoscaling cluster (cluster/local.yaml)"
+    )
+    cluster_commands = cluster.add_subparsers(
+        dest="cluster_command", required=True, parser_class=_Parser
+    )
+    cup = cluster_commands.add_parser("up", help="start it: head now, fake GPU nodes on demand")
+    cup.add_argument("--config", default="cluster/local.yaml")
+    cdown = cluster_commands.add_parser("down", help="stop it and its nodes")
+    for p in (cup, cdown):
+        p.add_argument("--dir", default="/tmp/raytrain-lm-cluster", help="Ray's temp dir for it")
+
+
+def _run_cluster_command(args) -> int:
+    if args.command == "cluster":
+        from raytrain_lm import cluster_local
+
+        if args.cluster_command == "up":
+            state = cluster_local.up(args.config, args.dir)
+            print(f"local cluster up: Ray at {state['address']}, jobs at {state['dashboard']}")
+            print(
+                f"  submit: raytrain-lm submit experiments/demo.yaml --address {state['dashboard']}"
+            )
+            print(f"  status: RAY_AUTH_MODE=token ray status --address {state['address']}")
+            print(f"  stop:   raytrain-lm cluster down --dir {args.dir}")
+            return 0
+        ended = cluster_local.down(args.dir)
+        print(f"local cluster down: ended {ended} processes")
+        return 0
+
+    from raytrain_lm import jobs
+
+    if args.command == "submit":
+        storage = args.storage or jobs.DEFAULT_STORAGE
+        submitted = jobs.submit(
+            args.config, args.set, args.address, args.working_dir, storage, args.job_id
+        )
+        job, where = submitted["job_id"], submitted["address"]
+        print(f"submitted job {job} to {where}")
+        print(f"  entrypoint: {submitted['entrypoint']}")
+        print(f"  follow logs: raytrain-lm logs {job} --follow --address {where}")
+        print(f"  state:       raytrain-lm status {job} --address {where}")
+        print(f"  stop:        raytrain-lm stop {job} --address {where}")
+        if args.follow:
+            jobs.logs(job, args.address, follow=True)
+            state = jobs.status(job, args.address)["status"]
+            print(f"job {job}: {state}")
+            return 0 if state == "SUCCEEDED" else 1
+        return 0
+    if args.command == "status":
+        info = jobs.status(args.job_id, args.address)
+        print(
+            f"{info['job_id']}: {info['status']}"
+            + (f" ({info['message']})" if info["message"] else "")
+        )
+        return 0
+    if args.command == "logs":
+        text = jobs.logs(args.job_id, args.address, follow=args.follow)
+        if text is not None:
+            print(text, end="")
+        return 0
+    stopped = jobs.stop(args.job_id, args.address)
+    print(f"{args.job_id}: {'stopping' if stopped else 'already finished'}")
+    return 0
 
 
 def run(argv: list[str]) -> int:
@@ -89,6 +197,14 @@ def run(argv: list[str]) -> int:
 
     argv, short_overrides = _split_overrides(argv)
     args = _parser().parse_args(argv)
+    if args.command in ("submit", "status", "logs", "stop", "cluster"):
+        if args.command == "submit":
+            args.set = [*args.set, *short_overrides]
+        elif short_overrides:
+            raise UserError(f"`{args.command}` takes no config overrides")
+        return _run_cluster_command(args)
+    if args.command == "sweep":
+        return _run_sweep_command(args, short_overrides)
     if args.command == "generate":
         from raytrain_lm.generate import resolve_checkpoint, sample
 
@@ -120,6 +236,30 @@ def run(argv: list[str]) -> int:
     summary = train(cfg)
     print("summary: " + json.dumps(summary))
     return 0
+
+
+def _run_sweep_command(args, short_overrides: list[str]) -> int:
+    if args.target == "report":
+        if not args.name:
+            raise UserError("usage: raytrain-lm sweep report NAME")
+        if args.set or short_overrides:
+            raise UserError("`sweep report` takes no config overrides")
+        from raytrain_lm.api import sweep_report
+
+        result = sweep_report(args.name, args.output_dir, args.out)
+        print(result["table"])
+        print(f"report: {result['png']}")
+        return 0
+    if args.name:
+        raise UserError(f"unexpected argument '{args.name}' after the sweep file")
+    from raytrain_lm.api import sweep
+
+    summary = sweep(args.target, [*args.set, *short_overrides])
+    best = next((r for r in summary["ranked"] if r["val_loss"] is not None), None)
+    if best is not None:
+        print(f"best: {best['run_name']} val_loss {best['val_loss']:.4f} ({best['params']})")
+    print(f"report: {summary['report']}")
+    return 130 if summary["interrupted"] else 0
 
 
 def _train_tokenizer(cfg, out: str, sample_bytes: int) -> int:

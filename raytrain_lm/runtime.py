@@ -32,11 +32,14 @@ def ensure_ray(scaling: ScalingConfig) -> None:
     import ray
 
     if not ray.is_initialized():
-        if scaling.ray_address:
+        if joins_cluster(scaling):
+            # an existing cluster is sized by its own config: no num_cpus here
             ray.init(address=scaling.ray_address, log_to_driver=True)
         else:
             logical = max(os.cpu_count() or 1, int(cpus_needed(scaling) + 0.999))
-            ray.init(num_cpus=logical, log_to_driver=True, logging_level=_log_level())
+            ray.init(
+                address="local", num_cpus=logical, log_to_driver=True, logging_level=_log_level()
+            )
     check_schedulable(scaling, ray.cluster_resources(), fixed_size=not joins_cluster(scaling))
 
 
@@ -95,5 +98,8 @@ def ensure_local_ray() -> None:
         else:
             # logical CPUs also cover the default training run that usually follows
             ray.init(
-                num_cpus=max(4, os.cpu_count() or 1), log_to_driver=True, logging_level=_log_level()
+                address="local",
+                num_cpus=max(4, os.cpu_count() or 1),
+                log_to_driver=True,
+                logging_level=_log_level(),
             )

@@ -26,13 +26,18 @@ TINY = [
 
 
 @pytest.fixture(scope="session", autouse=True)
-def ray_session():
+def ray_session(request):
     """One Ray for the session, started before anything else can start a smaller one
-    (`prepare` starts a local Ray when none runs); logical CPUs cover 4 workers plus Ray Data."""
+    (`prepare` starts a local Ray when none runs); logical CPUs cover 4 workers plus Ray Data.
+    A session of chaos tests only starts its own multi-node Ray instead."""
     import ray
 
+    if all(item.get_closest_marker("chaos") for item in request.session.items):
+        yield None
+        return
     if not ray.is_initialized():
-        ray.init(num_cpus=6, log_to_driver=True)
+        # address="local": never join another Ray that happens to run on this machine
+        ray.init(address="local", num_cpus=6, log_to_driver=True)
     yield ray
     ray.shutdown()
 

@@ -168,3 +168,28 @@ def test_exactly_once_across_a_2_3_1_resize(ray_session, tiny_overrides, tmp_pat
         (m.step, m.value) for m in client.get_metric_history(summary["mlflow_run_id"], "world_size")
     )
     assert sizes == [(0, 2.0), (3, 3.0), (6, 1.0)]  # the world size logged at each (re)start
+
+
+def test_resized_run_matches_an_uninterrupted_one(ray_session, tiny_overrides, tmp_path):
+    """f. 4 -> 2 -> 4 workers (stopped and restarted from checkpoints): the same sequences
+    once each, and a val loss within noise of the uninterrupted 4-worker run (fp32)."""
+    from raytrain_lm.data.ledger import read_ledger
+
+    common = [
+        *tiny_overrides,
+        "training.max_steps=24",
+        "training.eval_every=24",
+        "checkpoint.every_steps=8",
+        "training.ledger=true",
+        "training.precision=fp32",
+        "optim.lr=3e-3",
+    ]
+    straight = _run([*common, "name=four", "scaling.num_workers=4"])
+    for workers, stop in ((4, 8), (2, 16), (4, None)):
+        extra = [f"training.stop_after_step={stop}"] if stop else []
+        resized = _run([*common, "name=four-two-four", f"scaling.num_workers={workers}", *extra])
+    assert resized["steps"] == 24 and resized["tokens"] == straight["tokens"]
+    consumed = read_ledger(tmp_path / "runs" / "four-two-four")
+    assert consumed.tolist() == list(range(24 * 8))
+    assert resized["val_loss"] == pytest.approx(straight["val_loss"], abs=1e-3)
+    assert resized["goodput"]["restarts"] == 2

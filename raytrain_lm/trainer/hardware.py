@@ -9,10 +9,12 @@ import torch
 
 # Dense bf16 tensor-core peaks (no sparsity), FLOP/s.
 GPU_PEAK_FLOPS = {
+    "B200": 2250e12,
     "H200": 989e12,
     "H100": 989e12,
     "A100": 312e12,
     "L40S": 362e12,
+    "L40": 181e12,
     "A10G": 70e12,
     "A10": 125e12,
     "L4": 121e12,
@@ -25,13 +27,19 @@ CPU_PEAK_FLOPS_PER_THREAD = {"AVX512": 16 * 2 * 2 * 3.5e9, "AVX2": 8 * 2 * 2 * 3
 CPU_PEAK_FLOPS_FALLBACK = 4 * 2 * 2 * 3.5e9
 
 
+def gpu_peak_flops(name: str) -> float | None:
+    """Peak for a CUDA device name ("NVIDIA A100-SXM4-80GB") or a Ray accelerator type ("A100",
+    "A100-80G", "L4"); None if unknown. Longest key first: "L40S" before "L40" before "L4"."""
+    for key in sorted(GPU_PEAK_FLOPS, key=len, reverse=True):
+        if key in name.upper():
+            return GPU_PEAK_FLOPS[key]
+    return None
+
+
 def peak_flops(device: torch.device) -> float:
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key, value in GPU_PEAK_FLOPS.items():
-            if key in name:
-                return value
-        return 312e12  # unknown GPU: assume A100-class so MFU errs low
+        peak = gpu_peak_flops(torch.cuda.get_device_name(device))
+        return 312e12 if peak is None else peak  # unknown GPU: A100-class, so MFU errs low
     capability = torch.backends.cpu.get_cpu_capability()
     per_thread = CPU_PEAK_FLOPS_PER_THREAD.get(capability, CPU_PEAK_FLOPS_FALLBACK)
     return per_thread * max(1, torch.get_num_threads())

@@ -18,11 +18,13 @@ from raytrain_lm.data.manifest import verify_shards
 from raytrain_lm.data.prepare import prepare
 from raytrain_lm.data.storage import is_uri
 from raytrain_lm.errors import UserError
-from raytrain_lm.placement import worker_resources
+from raytrain_lm.placement import keep_gpu_nodes_releasable, worker_resources
 from raytrain_lm.runtime import ensure_ray, use_gpu
 from raytrain_lm.tokenization import TOKENIZER_FILE, load_tokenizer
 from raytrain_lm.tracking import MLflowTracker, resolve_tracking_uri
+from raytrain_lm.trainer import faults
 from raytrain_lm.trainer.checkpoint import CONFIG_FILE, latest_complete_checkpoint, read_state
+from raytrain_lm.trainer.goodput import append_event, close_previous_segment, read_events, summarize
 
 TRACKING_FILE = "tracking.json"
 SUMMARY_FILE = "summary.json"
@@ -79,26 +81,38 @@ def check_data_matches_model(cfg: RunConfig, manifest) -> None:
         )
 
 
-def _tracking(cfg: RunConfig, run_dir: Path) -> MLflowTracker | None:
+def _tracking(
+    cfg: RunConfig,
+    run_dir: Path,
+    parent_run_id: str | None = None,
+    tags: dict[str, Any] | None = None,
+) -> MLflowTracker | None:
+    """The run's MLflow run: the one in run_dir/tracking.json when resuming, else a new one,
+    nested under `parent_run_id` (a sweep) when given, tagged with `tags`."""
     if not cfg.tracking.enabled:
         return None
     uri = resolve_tracking_uri(cfg.tracking)
     previous = run_dir / TRACKING_FILE
     run_id = json.loads(previous.read_text())["mlflow_run_id"] if previous.is_file() else None
-    tracker = MLflowTracker.start(uri, cfg.tracking.experiment, cfg.name, run_id)
+    tracker = MLflowTracker.start(
+        uri, cfg.tracking.experiment, cfg.name, run_id, parent_run_id=parent_run_id, tags=tags
+    )
     previous.write_text(json.dumps({"tracking_uri": uri, "mlflow_run_id": tracker.run_id}))
     return tracker
 
 
-def train(cfg: RunConfig) -> dict[str, Any]:
-    """Runs (or resumes) `cfg` to completion and returns the summary dict."""
-    from ray.train import CheckpointConfig, FailureConfig
-    from ray.train import RunConfig as RayRunConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
-    from ray.train.v2.api.config import LoggingConfig
+def train(
+    cfg: RunConfig,
+    *,
+    parent_run_id: str | None = None,
+    tags: dict[str, Any] | None = None,
+    callbacks: list | None = None,
+) -> dict[str, Any]:
+    """Runs (or resumes) `cfg` to completion and returns the summary dict.
 
-    from raytrain_lm.trainer.loop import train_loop_per_worker
-
+    A sweep trial passes its sweep's MLflow `parent_run_id`, `tags` for its MLflow run and
+    extra Ray Train `callbacks` (Tune's report callback).
+    """
     started = time.time()
     storage = Path(cfg.output_dir).resolve()
     run_dir = storage / cfg.name
@@ -120,11 +134,19 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     )
     check_data_matches_model(cfg, manifest)
     ensure_ray(cfg.scaling)
+    keep_gpu_nodes_releasable()
 
     previous = latest_complete_checkpoint(run_dir)
+    if previous is not None:
+        state = read_state(previous)
+        print(
+            f"[raytrain-lm] resuming run '{cfg.name}' from {previous.name}: step {state.step}, "
+            f"{state.tokens:,} tokens",
+            flush=True,
+        )
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / CONFIG_FILE).write_text(to_yaml(cfg))
-    tracker = _tracking(cfg, run_dir)
+    tracker = _tracking(cfg, run_dir, parent_run_id, tags)
     if tracker is not None:
         tracker.log_params(flatten(cfg))
         tracker.log_artifact(run_dir / CONFIG_FILE)
@@ -142,39 +164,43 @@ def train(cfg: RunConfig) -> dict[str, Any]:
         "mlflow_run_id": tracker.run_id if tracker else None,
         "expect_checkpoint": previous is not None,
         "read_cpus": cfg.scaling.data_cpus / cfg.scaling.max_size,
+        "fault": os.environ.get(faults.ENV_VAR),
     }
-    already_done = previous is not None and read_state(previous).step >= min(
-        cfg.training.max_steps, cfg.training.stop_after_step or cfg.training.max_steps
-    )
+    end_step = min(cfg.training.max_steps, cfg.training.stop_after_step or cfg.training.max_steps)
     result_metrics: dict[str, Any] = {}
-    if already_done:
+    if previous is not None and read_state(previous).step >= end_step:
         print(f"[raytrain-lm] run '{cfg.name}' already trained to step {read_state(previous).step}")
     else:
-        trainer = TorchTrainer(
-            train_loop_per_worker,
-            train_loop_config=payload,
-            torch_config=TorchConfig(backend="nccl" if gpu else "gloo"),
-            scaling_config=_scaling(cfg, gpu),
-            run_config=RayRunConfig(
-                name=cfg.name,
-                storage_path=str(storage),
-                checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep_last),
-                failure_config=FailureConfig(max_failures=0),
-                logging_config=LoggingConfig(log_level="WARNING"),
-            ),
-        )
-        try:
-            result = trainer.fit()
-        except BaseException:
-            if tracker is not None:
-                tracker.finish("FAILED")
-            raise
-        result_metrics = dict(result.metrics or {})
+        append_event(run_dir, "job_start", pid=os.getpid())
+        handoffs = 0
+        while True:
+            result_metrics = _fit(cfg, payload, storage, run_dir, gpu, tracker, callbacks)
+            reached = latest_complete_checkpoint(run_dir)
+            if not result_metrics.get("preempted") or reached is None:
+                break
+            if read_state(reached).step >= end_step:
+                break
+            # The worker group ended itself after a just-in-time checkpoint because a node was
+            # being drained: start a new one at once; Ray schedules nothing on draining nodes.
+            handoffs += 1
+            budget = cfg.fault.max_preemptions
+            if budget != -1 and handoffs > budget:
+                raise RuntimeError(
+                    f"run '{cfg.name}' was preempted {handoffs} times, over "
+                    f"fault.max_preemptions={budget}; start it again to resume"
+                )
+            payload["expect_checkpoint"] = True
+            print(
+                f"[raytrain-lm] restarting after preemption at step {read_state(reached).step}",
+                flush=True,
+            )
 
     final = latest_complete_checkpoint(run_dir)
     if final is None:
         raise RuntimeError(f"training finished without a complete checkpoint in {run_dir}")
     state = read_state(final)
+    close_previous_segment(run_dir)
+    goodput = summarize(read_events(run_dir)).metrics(state.tokens)
     summary = {
         "run": cfg.name,
         "steps": state.step,
@@ -185,14 +211,62 @@ def train(cfg: RunConfig) -> dict[str, Any]:
         "wall_s": round(time.time() - started, 1),
         "mlflow_run_id": tracker.run_id if tracker else None,
         "checkpoint": str(final),
+        "goodput": {k.split("/", 1)[1]: round(v, 4) for k, v in goodput.items()},
     }
     (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
     if tracker is not None:
+        tracker.log_metrics(goodput, step=state.step)
         tracker.log_artifact(final / "model.safetensors", "final")
         tracker.log_artifact(final / "tokenizer.json", "final")
         tracker.log_artifact(run_dir / SUMMARY_FILE)
         tracker.finish("FINISHED")
     return summary
+
+
+def _fit(
+    cfg: RunConfig, payload: dict, storage: Path, run_dir: Path, gpu: bool, tracker, callbacks=None
+):
+    """One TorchTrainer.fit(): Ray Train retries failures within it, within the budgets."""
+    from ray.train import CheckpointConfig, FailureConfig
+    from ray.train import RunConfig as RayRunConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.v2.api.config import LoggingConfig
+
+    from raytrain_lm.trainer.callbacks import FailureEvents
+    from raytrain_lm.trainer.loop import train_loop_per_worker
+
+    fault = cfg.fault
+    # Read by Ray Train's controller, which inherits them from this process.
+    os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(fault.worker_start_timeout_s)
+    os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = str(fault.health_check_s)
+    os.environ["RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S"] = str(fault.preemption_check_s)
+    os.environ["RAY_TRAIN_COLLECTIVE_TIMEOUT_S"] = str(fault.collective_timeout_s)
+    trainer = TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config=payload,
+        torch_config=TorchConfig(
+            backend="nccl" if gpu else "gloo", timeout_s=int(fault.collective_timeout_s)
+        ),
+        scaling_config=_scaling(cfg, gpu),
+        run_config=RayRunConfig(
+            name=cfg.name,
+            storage_path=str(storage),
+            # We prune (last K plus the best by val loss): Ray's own keeps only top-K by one score.
+            checkpoint_config=CheckpointConfig(num_to_keep=None),
+            failure_config=FailureConfig(
+                max_failures=fault.max_failures, max_preemption_failures=fault.max_preemptions
+            ),
+            logging_config=LoggingConfig(log_level="WARNING"),
+            callbacks=[FailureEvents(str(run_dir)), *(callbacks or [])],
+        ),
+    )
+    try:
+        result = trainer.fit()
+    except BaseException:
+        if tracker is not None:
+            tracker.finish("FAILED")
+        raise
+    return dict(result.metrics or {})
 
 
 def _scaling(cfg: RunConfig, gpu: bool):

@@ -10,6 +10,7 @@ import contextlib
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +26,27 @@ from raytrain_lm.data.stream import WorkerSlice, stream_train_batches, validatio
 from raytrain_lm.model import GPT, GPTShape
 from raytrain_lm.tokenization import load_tokenizer
 from raytrain_lm.tracking import MLflowTracker, NullTracker, Tracker
-from raytrain_lm.trainer import hardware
-from raytrain_lm.trainer.checkpoint import TrainState, load_checkpoint, save_checkpoint
+from raytrain_lm.trainer import faults, hardware
+from raytrain_lm.trainer.checkpoint import (
+    TrainState,
+    is_complete,
+    latest_complete_checkpoint,
+    load_checkpoint,
+    prune_checkpoints,
+    save_checkpoint,
+)
+from raytrain_lm.trainer.goodput import (
+    Heartbeat,
+    append_event,
+    close_previous_segment,
+    read_events,
+    summarize,
+)
 from raytrain_lm.trainer.plan import BatchPlan, learning_rate
 from raytrain_lm.trainer.progress import ProgressBar
+from raytrain_lm.trainer.watchdog import StepWatchdog
+
+HEARTBEAT_EVERY_S = 0.5
 
 
 def model_shape(cfg: RunConfig, tokenizer_vocab: int) -> GPTShape:
@@ -80,6 +98,37 @@ def evaluate(
     return total / max(count, 1.0)
 
 
+def _node_accelerator_type() -> str:
+    """This worker's node's accelerator type from its Ray resources (`cpu` if none)."""
+    import ray
+
+    node_id = ray.get_runtime_context().get_node_id()
+    for node in ray.nodes():
+        if node["NodeID"] == node_id:
+            for name in node.get("Resources", {}):
+                if name.startswith("accelerator_type:"):
+                    return name.split(":", 1)[1]
+    return "cpu"
+
+
+def _restore(checkpoint, run_dir, model, optimizer, device, expect_checkpoint: bool) -> TrainState:
+    """The offered checkpoint if complete, else the newest complete one in the run directory."""
+    if checkpoint is not None:
+        with checkpoint.as_directory() as directory:
+            if is_complete(directory):
+                return load_checkpoint(directory, model, optimizer, device)
+            print(f"[raytrain-lm] checkpoint {directory} is incomplete; looking for an older one")
+    fallback = latest_complete_checkpoint(run_dir) if run_dir else None
+    if fallback is not None and (checkpoint is not None or expect_checkpoint):
+        return load_checkpoint(fallback, model, optimizer, device)
+    if checkpoint is not None or expect_checkpoint:
+        raise RuntimeError(
+            "this run has checkpoints but none is complete or none was offered to resume from; "
+            "refusing to start from step 0 (remove the run directory to start afresh)"
+        )
+    return TrainState()
+
+
 def _step_seed(seed: int, step: int, rank: int) -> int:
     # Dropout noise is a function of (seed, step, rank), so a resumed run draws the same noise.
     return (seed * 1_000_003 + step * 7_919 + rank) % (1 << 62)
@@ -101,6 +150,7 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
     import ray.train
     import ray.train.torch
 
+    t_start = time.time()
     _quiet_ray_train_info_logs()
     cfg = RunConfig.model_validate(payload["config"])
     data_dir: str = payload["data_dir"]
@@ -124,24 +174,46 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
     )
 
     # --- restore -------------------------------------------------------------------------
-    state = TrainState()
-    checkpoint = ray.train.get_checkpoint()
-    if checkpoint is not None:
-        with checkpoint.as_directory() as directory:
-            state = load_checkpoint(directory, model, optimizer, device)
-    elif payload.get("expect_checkpoint"):
-        raise RuntimeError(
-            "this run has checkpoints but Ray Train offered none to resume from; refusing to "
-            "start from step 0 (remove the run directory to start afresh)"
-        )
-    if rank == 0 and cfg.training.ledger and payload.get("run_dir"):
-        discard_after(payload["run_dir"], state.step)
+    run_dir: str | None = payload.get("run_dir")
+    fault = faults.parse(payload.get("fault"))
+    state = _restore(
+        ray.train.get_checkpoint(),
+        run_dir,
+        model,
+        optimizer,
+        device,
+        bool(payload.get("expect_checkpoint")),
+    )
+    restored_step = state.step
+    if rank == 0 and cfg.training.ledger and run_dir:
+        discard_after(run_dir, state.step)
     tracker: Tracker = NullTracker()
     if rank == 0 and payload.get("tracking_uri") and payload.get("mlflow_run_id"):
         tracker = MLflowTracker(payload["tracking_uri"], payload["mlflow_run_id"])
+    price = cfg.fault.price_per_hour
+    my_type = _node_accelerator_type() if price else "cpu"
+    group_price = _all_reduce_sum([price.get(my_type, price.get("default", 0.0))], device)[0]
+    segment = uuid.uuid4().hex[:12]
+    events: list[dict[str, Any]] = []
+    if rank == 0 and run_dir:
+        close_previous_segment(run_dir)
+        events = read_events(run_dir)
+        events.append(
+            append_event(
+                run_dir,
+                "segment_start",
+                segment=segment,
+                t_start=t_start,
+                t_restored=time.time(),
+                restored_step=state.step,
+                world_size=world,
+                accumulation=plan.accumulation,
+                price_per_hour=group_price,
+            )
+        )
     if rank == 0:
         origin = (
-            f"resumed at step {state.step} ({state.tokens} tokens)" if state.step else "started"
+            f"resumed at step {state.step} ({state.tokens:,} tokens)" if state.step else "started"
         )
         print(
             f"[raytrain-lm] {origin}; world size {world}, micro-batch {plan.micro_batch}, "
@@ -189,10 +261,50 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
     progress = None
     if rank == 0 and cfg.training.progress:
         progress = ProgressBar(end_step, state.step, cfg.training.log_every)
+    watchdog = StepWatchdog(cfg.fault.step_timeout_s).start()
     ledger: list[np.ndarray] = []
     last_report = {"step": state.step, "tokens": state.tokens}
     train_loss = float("nan")
     timed_tokens, timed_seconds, warmup_steps = 0, 0.0, state.step + 3
+    step_seconds, last_beat, last_preemption_check = 0.0, 0.0, time.monotonic()
+    preempted = False
+
+    def beat(force: bool = False) -> None:
+        nonlocal last_beat
+        if rank == 0 and run_dir and (force or time.monotonic() - last_beat > HEARTBEAT_EVERY_S):
+            Heartbeat(segment, state.step, time.time(), step_seconds).write(run_dir)
+            last_beat = time.monotonic()
+
+    def report_checkpoint(extra: dict[str, Any] | None = None) -> None:
+        nonlocal last_report, ledger
+        state.world_size = world
+        report = {
+            "step": state.step,
+            "tokens": state.tokens,
+            "train_loss": train_loss,
+            "val_loss": state.val_loss,
+            "tokens_per_s": timed_tokens / timed_seconds if timed_seconds else tokens_per_s,
+            **(extra or {}),
+        }
+        _report_with_checkpoint(
+            report,
+            state,
+            raw_model,
+            optimizer,
+            rank,
+            tokenizer_json,
+            to_yaml(cfg),
+            ledger,
+            run_dir,
+            last_report,
+            fault,
+        )
+        if rank == 0 and run_dir:
+            prune_checkpoints(run_dir, cfg.checkpoint.keep_last, cfg.checkpoint.keep_best)
+        last_report = {"step": state.step, "tokens": state.tokens}
+        ledger = []
+        watchdog.beat()
+
     tick = time.perf_counter()
     while state.step < end_step:
         lr = learning_rate(
@@ -226,14 +338,26 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
         state.step += 1
         state.tokens += tokens_per_step
         state.position += plan.global_batch
+        faults.pace(fault, tick)
 
-        train_loss = _all_reduce_sum([float(loss_sum) / plan.accumulation], device)[0] / world
+        # Rank 0's clock decides when to ask about preemption; the flag rides on the loss
+        # all-reduce so every rank makes the (collective) call at the same step.
+        ask = rank == 0 and time.monotonic() - last_preemption_check > cfg.fault.preemption_check_s
+        loss_total, asks = _all_reduce_sum(
+            [float(loss_sum) / plan.accumulation, float(ask)], device
+        )
+        train_loss = loss_total / world
         now = time.perf_counter()
         step_time, tick = now - tick, now
+        step_seconds += step_time
+        watchdog.beat()
         tokens_per_s = tokens_per_step / step_time
         if state.step > warmup_steps:  # the first steps pay for start-up and data warm-up
             timed_tokens += tokens_per_step
             timed_seconds += step_time
+        if state.step == restored_step + 1 and rank == 0 and run_dir:
+            events.append(append_event(run_dir, "first_step", segment=segment, step=state.step))
+        beat()
         metrics = {
             "train/loss": train_loss,
             "train/lr": lr,
@@ -245,44 +369,70 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
             "progress/tokens": state.tokens,
         }
         last_step = state.step == end_step
+        if rank == 0 and events and (state.step % cfg.training.log_every == 0 or last_step):
+            live = summarize(events, time.time())
+            live.step_s += step_seconds
+            metrics.update(live.metrics(state.tokens))
         if state.step % cfg.training.eval_every == 0 or last_step:
             state.val_loss = evaluate(raw_model, cfg, data_dir, manifest, rank, world, device, bf16)
+            state.val_step = state.step
             metrics["val/loss"] = state.val_loss
+            watchdog.beat()
             tick = time.perf_counter()  # evaluation time is not step time
         tracker.log_metrics(metrics, step=state.step)
         if progress is not None:
             progress.update(state.step, metrics, force="val/loss" in metrics)
 
+        if asks and not last_step:
+            last_preemption_check = time.monotonic()
+            info = ray.train.get_preemption_info()
+            if info is not None and cfg.fault.checkpoint_on_preemption:
+                # A node of ours is being drained: checkpoint now, then end this worker
+                # group so the driver restarts at once on the nodes that stay. Steps taken
+                # while waiting for the node to vanish would only be recomputed.
+                preempted = True
+                if rank == 0 and run_dir:
+                    events.append(
+                        append_event(
+                            run_dir,
+                            "preemption",
+                            step=state.step,
+                            deadline_ms=info.deadline_ms,
+                            ranks=sorted(info.preempted_ranks),
+                        )
+                    )
+                    print(
+                        f"[raytrain-lm] preemption notice for ranks {sorted(info.preempted_ranks)}"
+                        f"; just-in-time checkpoint at step {state.step}, then resizing",
+                        file=sys.__stdout__,
+                        flush=True,
+                    )
+                report_checkpoint({"preempted": True})
+                tick = time.perf_counter()
+                break
         if state.step % cfg.checkpoint.every_steps == 0 or last_step:
-            state.world_size = world
-            report = {
-                "step": state.step,
-                "tokens": state.tokens,
-                "train_loss": train_loss,
-                "val_loss": state.val_loss,
-                "tokens_per_s": timed_tokens / timed_seconds if timed_seconds else tokens_per_s,
-            }
-            _report_with_checkpoint(
-                report,
-                state,
-                raw_model,
-                optimizer,
-                rank,
-                tokenizer_json,
-                to_yaml(cfg),
-                ledger,
-                payload.get("run_dir"),
-                last_report,
-            )
-            last_report = {"step": state.step, "tokens": state.tokens}
-            ledger = []
+            report_checkpoint()
             tracker.flush()
             tick = time.perf_counter()
+    beat(force=True)
+    watchdog.stop()
     tracker.flush()
+    if preempted and rank == 0:
+        print("[raytrain-lm] worker group ended for preemption", file=sys.__stdout__, flush=True)
 
 
 def _report_with_checkpoint(
-    report, state, model, optimizer, rank, tokenizer_json, config_yaml, ledger, run_dir, previous
+    report,
+    state,
+    model,
+    optimizer,
+    rank,
+    tokenizer_json,
+    config_yaml,
+    ledger,
+    run_dir,
+    previous,
+    fault=None,
 ) -> None:
     import ray.train
 
@@ -298,6 +448,16 @@ def _report_with_checkpoint(
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = None
         if rank == 0:
-            save_checkpoint(Path(tmp), model, optimizer, state, tokenizer_json, config_yaml)
+            save_checkpoint(
+                Path(tmp),
+                model,
+                optimizer,
+                state,
+                tokenizer_json,
+                config_yaml,
+                partially_written=lambda: faults.maybe_fire(
+                    fault, "kill-in-checkpoint", state.step, rank, run_dir or tmp
+                ),
+            )
             checkpoint = ray.train.Checkpoint.from_directory(tmp)
         ray.train.report(report, checkpoint=checkpoint)

@@ -1,0 +1,160 @@
+"""A multi-node Ray on one machine, for chaos tests, the recovery benchmark and the elastic
+notebook: add, kill and drain nodes while a run trains, then read what happened.
+
+Each worker node offers one `trainslot` resource; runs pin one worker per slot
+(`scaling.worker_resources.trainslot=1`), so killing a node takes exactly one worker away.
+The head keeps the CPUs that Ray Data reads with, like a real cluster's CPU head.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from raytrain_lm.trainer.goodput import read_events
+
+SLOT = "trainslot"
+# Notice a dead node in about 3 s instead of Ray's default 30 s or more.
+FAST_HEALTH_CHECKS = {
+    "health_check_period_ms": 1000,
+    "health_check_timeout_ms": 1000,
+    "health_check_failure_threshold": 3,
+}
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class LocalCluster:
+    """A Ray head plus `workers` single-slot worker nodes, connected to this process."""
+
+    def __init__(self, workers: int = 3, head_cpus: int = 2, cpus_per_node: int = 1):
+        import ray
+        from ray.cluster_utils import Cluster
+
+        if ray.is_initialized():
+            ray.shutdown()
+        self.cpus_per_node = cpus_per_node
+        self.cluster = Cluster(
+            initialize_head=True,
+            head_node_args={
+                "num_cpus": head_cpus,
+                "include_dashboard": True,  # Ray Train V2 polls the state API
+                "dashboard_port": _free_port(),  # another Ray on this machine may hold 8265
+                "_system_config": FAST_HEALTH_CHECKS,
+            },
+        )
+        self.nodes = [self.add_node() for _ in range(workers)]
+        ray.init(address=self.cluster.address)
+
+    @property
+    def address(self) -> str:
+        return self.cluster.address
+
+    def overrides(self) -> list[str]:
+        """Config overrides that place one worker per slot and start worker groups fast."""
+        return [
+            f"scaling.worker_resources.{SLOT}=1",
+            f"scaling.cpus_per_worker={self.cpus_per_node}",
+            "fault.worker_start_timeout_s=15",
+            "fault.health_check_s=1",
+            "fault.preemption_check_s=1",
+            "scaling.resize_check_s=5",
+        ]
+
+    def add_node(self):
+        node = self.cluster.add_node(num_cpus=self.cpus_per_node, resources={SLOT: 1})
+        if hasattr(self, "nodes"):
+            self.nodes.append(node)
+        return node
+
+    def kill_node(self, node=None):
+        """Kills a worker node's processes at once, like a machine that vanished."""
+        node = node or self.nodes[-1]
+        self.cluster.remove_node(node, allow_graceful=False)
+        self.nodes.remove(node)
+        return node
+
+    def drain_node(self, node=None, deadline_s: float = 30.0, reason: str = "PREEMPTION"):
+        """Tells Ray a node will be reclaimed in `deadline_s`, as a cloud's spot notice does."""
+        import ray
+        from ray.core.generated import autoscaler_pb2
+
+        node = node or self.nodes[-1]
+        client = ray._raylet.GcsClient(address=self.cluster.address)
+        accepted, why = client.drain_node(
+            node.node_id,
+            autoscaler_pb2.DrainNodeReason.Value(f"DRAIN_NODE_REASON_{reason}"),
+            "raytrain-lm chaos",
+            int(time.time() * 1000 + deadline_s * 1000),
+        )
+        if not accepted:
+            raise RuntimeError(f"drain of node {node.node_id} refused: {why}")
+        return node
+
+    def shutdown(self) -> None:
+        import ray
+
+        ray.shutdown()
+        self.cluster.shutdown()
+
+
+class Background:
+    """Runs `fn` in a thread (node changes must happen on the main thread) and keeps the
+    result or the exception."""
+
+    def __init__(self, fn: Callable[[], Any]):
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(fn,), daemon=True)
+        self._thread.start()
+
+    def _run(self, fn: Callable[[], Any]) -> None:
+        try:
+            self.result = fn()
+        except BaseException as exc:  # handed to the caller by wait()
+            self.error = exc
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    def wait(self, timeout: float) -> Any:
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise TimeoutError(f"run still going after {timeout:.0f} s")
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+def wait_for_event(
+    run_dir: str | Path,
+    matches: Callable[[dict[str, Any]], bool],
+    timeout: float,
+    after: float = 0.0,
+    still_running: Background | None = None,
+) -> dict[str, Any]:
+    """The first event in the run's log newer than `after` that `matches`."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        for event in read_events(run_dir):
+            if event["t"] >= after and matches(event):
+                return event
+        if still_running is not None and not still_running.running:
+            still_running.wait(0)  # raises the run's error, if any
+            raise AssertionError("the run ended before the awaited event")
+        time.sleep(0.2)
+    raise TimeoutError(f"no matching event in {run_dir} within {timeout:.0f} s")
+
+
+def segments(run_dir: str | Path) -> list[dict[str, Any]]:
+    return [e for e in read_events(run_dir) if e["event"] == "segment_start"]

@@ -1,0 +1,223 @@
+"""`raytrain-lm cluster up|down`: cluster/local.yaml on one machine, with Ray's fake_multinode
+provider, token auth on and the dashboard on localhost.
+
+`ray up` cannot start a fake_multinode cluster from the wheel (the provider's example files are
+missing), and `ray stop` stops every Ray on the machine. So `up` runs
+`RAY_FAKE_CLUSTER=1 ray start --head --autoscaling-config=...` with its own temp dir and free
+ports, and `down` ends exactly the processes that belong to that temp dir.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from raytrain_lm.errors import UserError
+
+DEFAULT_CONFIG = "cluster/local.yaml"
+DEFAULT_DIR = "/tmp/raytrain-lm-cluster"
+STATE_FILE = "cluster.json"
+# Unix socket paths are limited to 107 bytes; Ray puts sockets at
+# <dir>/session_<date>_<pid>/sockets/raylet.<n> (about 60 bytes more).
+MAX_DIR_CHARS = 40
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ray_executable() -> str:
+    beside = Path(sys.executable).with_name("ray")
+    return str(beside) if beside.exists() else (shutil.which("ray") or "ray")
+
+
+def read_state(directory: str | Path = DEFAULT_DIR) -> dict[str, Any] | None:
+    path = Path(directory) / STATE_FILE
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def ensure_token() -> None:
+    """Token auth needs ~/.ray/auth_token (or RAY_AUTH_TOKEN); make one if there is none."""
+    if os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH"):
+        return
+    subprocess.run(
+        [_ray_executable(), "get-auth-token", "--generate"],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
+
+
+def resolved_config(config: str | Path, gcs_address: str) -> dict[str, Any]:
+    path = Path(config)
+    if not path.is_file():
+        raise UserError(f"cluster config not found: {config}")
+    tree = yaml.safe_load(path.read_text())
+    if not isinstance(tree, dict) or tree.get("provider", {}).get("type") != "fake_multinode":
+        raise UserError(f"{config}: `cluster up` runs fake_multinode configs only (see docs)")
+    # The provider starts fake nodes against port 6379 unless told where the head is.
+    tree["provider"]["gcs_address"] = gcs_address
+    return tree
+
+
+def up(
+    config: str | Path = DEFAULT_CONFIG,
+    directory: str | Path = DEFAULT_DIR,
+    dashboard: bool = True,
+    timeout_s: float = 120.0,
+) -> dict[str, Any]:
+    """Starts the head of a local autoscaling cluster; returns its state (address, dashboard)."""
+    directory = Path(directory).resolve()
+    if len(str(directory)) > MAX_DIR_CHARS:
+        raise UserError(
+            f"--dir {directory} is too long for Ray's socket paths; use at most "
+            f"{MAX_DIR_CHARS} characters, e.g. {DEFAULT_DIR}"
+        )
+    running = read_state(directory)
+    if running and _pids(directory):
+        raise UserError(
+            f"a local cluster already runs from {directory} at {running['address']}; "
+            f"`raytrain-lm cluster down --dir {directory}` first"
+        )
+    directory.mkdir(parents=True, exist_ok=True)
+    host = "127.0.0.1"
+    port, dash_port = _free_port(), _free_port()
+    address = f"{host}:{port}"
+    tree = resolved_config(config, address)
+    head_cpus = tree["available_node_types"][tree["head_node_type"]]["resources"].get("CPU", 1)
+    autoscaling = directory / "autoscaling.yaml"
+    autoscaling.write_text(yaml.safe_dump(tree, sort_keys=False))
+    ensure_token()
+    env = {
+        **os.environ,
+        "RAY_FAKE_CLUSTER": "1",
+        "AUTOSCALER_UPDATE_INTERVAL_S": "1",
+        "RAY_AUTH_MODE": "token",
+        # Job entrypoints run `python`: the one this package is installed in.
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+    }
+    command = [
+        _ray_executable(),
+        "start",
+        "--head",
+        f"--node-ip-address={host}",
+        f"--port={port}",
+        f"--num-cpus={head_cpus}",
+        "--num-gpus=0",
+        f"--temp-dir={directory}",
+        f"--autoscaling-config={autoscaling}",
+        f"--ray-client-server-port={_free_port()}",
+        f"--dashboard-agent-listen-port={_free_port()}",
+        f"--include-dashboard={'true' if dashboard else 'false'}",
+        # The Jobs API runs arbitrary code: only this machine may reach it.
+        f"--dashboard-host={host}",
+        f"--dashboard-port={dash_port}",
+        "--disable-usage-stats",
+    ]
+    log = directory / "ray-start.log"
+    with log.open("w") as out:
+        done = subprocess.run(command, env=env, stdout=out, stderr=subprocess.STDOUT, check=False)
+    if done.returncode != 0:
+        tail = log.read_text().strip().splitlines()[-1:] or ["no output"]
+        _kill(directory)
+        raise UserError(f"ray start failed ({tail[0]}); full log: {log}")
+    state = {
+        "address": address,
+        "dashboard": f"http://{host}:{dash_port}" if dashboard else None,
+        "dir": str(directory),
+        "config": str(Path(config).resolve()),
+        "started": time.time(),
+    }
+    (directory / STATE_FILE).write_text(json.dumps(state, indent=2))
+    _wait_for_gcs(host, port, timeout_s)
+    return state
+
+
+def _wait_for_gcs(host: str, port: int, timeout_s: float) -> None:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        with socket.socket() as s:
+            s.settimeout(1)
+            if s.connect_ex((host, port)) == 0:
+                return
+        time.sleep(0.5)
+    raise UserError(f"the head did not open {host}:{port} within {timeout_s:g} s")
+
+
+def _pids(directory: Path) -> list[int]:
+    """Processes of this cluster: Ray's daemons name the session dir, which lies under
+    `directory`, on their command line (fake nodes are raylets started the same way); workers,
+    agents and dashboard modules rename themselves (`ray::...`), so their descendants count too."""
+    listing = subprocess.run(
+        ["ps", "-eo", "pid=,ppid=,args="], capture_output=True, text=True, check=True
+    ).stdout
+    marker = str(directory)
+    children: dict[int, list[int]] = {}
+    found: set[int] = set()
+    for line in listing.splitlines():
+        fields = line.split(None, 2)
+        if len(fields) < 2:
+            continue
+        pid, ppid = int(fields[0]), int(fields[1])
+        children.setdefault(ppid, []).append(pid)
+        if len(fields) == 3 and marker in fields[2] and pid != os.getpid():
+            found.add(pid)
+    stack = list(found)
+    while stack:
+        for child in children.get(stack.pop(), []):
+            if child not in found and child != os.getpid():
+                found.add(child)
+                stack.append(child)
+    return sorted(found)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _kill(directory: Path, grace_s: float = 10.0) -> int:
+    pids = _pids(directory)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.time() + grace_s
+    while time.time() < deadline and any(_alive(pid) for pid in pids):
+        time.sleep(0.2)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return len(pids)
+
+
+def down(directory: str | Path = DEFAULT_DIR) -> int:
+    """Stops the cluster started from `directory`; returns how many processes it ended."""
+    directory = Path(directory).resolve()
+    if read_state(directory) is None and not _pids(directory):
+        raise UserError(f"no local cluster runs from {directory}")
+    ended = 0
+    # Fake nodes are started by the autoscaler after `up`: repeat until none is left.
+    for _ in range(3):
+        killed = _kill(directory)
+        ended += killed
+        if not killed:
+            break
+    (directory / STATE_FILE).unlink(missing_ok=True)
+    return ended

@@ -1,0 +1,212 @@
+"""`raytrain-lm submit|status|logs|stop`: training runs as Ray jobs on a (remote) cluster.
+
+The job runs `python -m raytrain_lm.cli train ...` in the uploaded working directory, so the
+driver and every Train worker import the code the user has locally, not whatever version the
+cluster's setup installed. Clusters run with token auth: the client needs the cluster's token
+(`ray get-auth-token` on the head) in ~/.ray/auth_token or $RAY_AUTH_TOKEN.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import time
+from pathlib import Path
+from typing import Any
+
+from raytrain_lm.errors import UserError
+
+DEFAULT_ADDRESS = "http://127.0.0.1:8265"
+# Anchored at the working dir's root ("/data", not "data": raytrain_lm/data is code). Ray
+# refuses uploads over 100 MiB; datasets, runs and environments are the usual culprits.
+UPLOAD_EXCLUDES = [
+    ".git",
+    ".venv",
+    "venv",
+    "/data",
+    "/runs",
+    "/mlruns",
+    "/mlartifacts",
+    "mlflow.db",
+    "__pycache__",
+    "*.egg-info",
+    ".pytest_cache",
+    ".ruff_cache",
+    "/benchmarks/results",
+    "*.safetensors",
+    "*.parquet",
+]
+DEFAULT_STORAGE = "$HOME/raytrain-lm"
+_SAFE_STORAGE = re.compile(r"^[A-Za-z0-9_./$~+-]+$")
+TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
+
+
+def resolve_address(address: str | None) -> str:
+    """--address, else $RAY_API_SERVER_ADDRESS / $RAY_ADDRESS, else a `cluster up` cluster,
+    else the dashboard on this machine."""
+    if address:
+        chosen = address
+    elif os.environ.get("RAY_API_SERVER_ADDRESS"):
+        chosen = os.environ["RAY_API_SERVER_ADDRESS"]
+    elif os.environ.get("RAY_ADDRESS", "").startswith("http"):
+        chosen = os.environ["RAY_ADDRESS"]
+    else:
+        from raytrain_lm.cluster_local import read_state
+
+        state = read_state()
+        chosen = state["dashboard"] if state and state.get("dashboard") else DEFAULT_ADDRESS
+    if not chosen.startswith(("http://", "https://")):
+        chosen = f"http://{chosen}"
+    return chosen
+
+
+def client(address: str | None):
+    """A JobSubmissionClient that sends the auth token; one-line errors for the usual failures."""
+    # Without the mode the SDK sends no token, even when one is on disk (the server says 401).
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
+    from ray.job_submission import JobSubmissionClient
+
+    url = resolve_address(address)
+    try:
+        return JobSubmissionClient(url)
+    except Exception as exc:  # the SDK raises ConnectionError/RuntimeError with long texts
+        raise UserError(f"cannot reach the Ray job server at {url}: {_first_line(exc)}") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    if "401" in text or "403" in text or "nauthorized" in text or "orbidden" in text:
+        return (
+            "authentication refused; put the cluster's token (`ray get-auth-token` on the "
+            "head) in ~/.ray/auth_token or $RAY_AUTH_TOKEN"
+        )
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _storage_arg(value: str) -> str:
+    # Double quotes so that $HOME expands on the head, not here.
+    return f'"{value}"'
+
+
+def entrypoint(
+    config: str | None,
+    overrides: list[str],
+    working_dir: Path,
+    storage: str = DEFAULT_STORAGE,
+) -> tuple[str, Any]:
+    """The job's shell command, and the validated config. Relative output paths would land in
+    the job's throwaway copy of the working dir, so they move under `storage` on the head."""
+    from raytrain_lm.config import load_config
+
+    cfg = load_config(config, overrides)
+    if not _SAFE_STORAGE.fullmatch(storage):
+        raise UserError(f"--storage {storage!r}: use letters, digits and / . _ - $ ~ only")
+    storage = storage.rstrip("/")
+    args = ["python", "-m", "raytrain_lm.cli", "train"]
+    if config is not None:
+        path = Path(config).resolve()
+        try:
+            args.append(shlex.quote(path.relative_to(working_dir.resolve()).as_posix()))
+        except ValueError:
+            raise UserError(
+                f"{config} is outside the working dir {working_dir}: the job only sees the "
+                f"uploaded directory"
+            ) from None
+    moved = []
+    if not os.path.isabs(cfg.output_dir) and "://" not in cfg.output_dir:
+        moved.append(f"output_dir={storage}/{cfg.output_dir}")
+    if not os.path.isabs(cfg.data.cache_dir) and "://" not in cfg.data.cache_dir:
+        moved.append(f"data.cache_dir={storage}/{cfg.data.cache_dir}")
+    if cfg.tracking.enabled and cfg.tracking.uri is None:
+        moved.append(f"tracking.uri=sqlite:///{storage}/mlflow.db")
+    for item in moved:
+        args += ["--set", _storage_arg(item)]
+    if cfg.scaling.ray_address is None:
+        # The driver joins the cluster the job runs on instead of starting a Ray of its own.
+        args += ["--set", "scaling.ray_address=auto"]
+    for item in overrides:
+        args += ["--set", shlex.quote(item)]
+    return " ".join(args), cfg
+
+
+def submit(
+    config: str | None,
+    overrides: list[str],
+    address: str | None = None,
+    working_dir: str | Path = ".",
+    storage: str = DEFAULT_STORAGE,
+    job_id: str | None = None,
+) -> dict[str, str]:
+    working = Path(working_dir)
+    if not working.is_dir():
+        raise UserError(f"working dir not found: {working_dir}")
+    command, cfg = entrypoint(config, overrides, working, storage)
+    jobs = client(address)
+    submission_id = job_id or f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    try:
+        submitted = jobs.submit_job(
+            entrypoint=command,
+            submission_id=submission_id,
+            runtime_env={
+                "working_dir": str(working.resolve()),
+                "excludes": UPLOAD_EXCLUDES,
+                "env_vars": {"RAY_TRAIN_V2_ENABLED": "1"},
+            },
+            metadata={"raytrain_lm_run": cfg.name},
+        )
+    except Exception as exc:
+        raise UserError(f"submit failed: {_first_line(exc)}") from None
+    return {"job_id": submitted, "entrypoint": command, "address": resolve_address(address)}
+
+
+def status(job_id: str, address: str | None = None) -> dict[str, Any]:
+    jobs = client(address)
+    try:
+        info = jobs.get_job_info(job_id)
+    except Exception as exc:
+        raise UserError(f"job {job_id}: {_first_line(exc)}") from None
+    return {
+        "job_id": job_id,
+        "status": getattr(info.status, "value", str(info.status)),
+        "message": info.message or "",
+        "entrypoint": info.entrypoint,
+    }
+
+
+def logs(job_id: str, address: str | None = None, follow: bool = False) -> str | None:
+    """The job's log so far, or with `follow`, prints it as it grows until the job ends."""
+    jobs = client(address)
+    try:
+        if not follow:
+            return jobs.get_job_logs(job_id)
+        import asyncio
+
+        async def _tail() -> None:
+            async for chunk in jobs.tail_job_logs(job_id):
+                print(chunk, end="", flush=True)
+
+        asyncio.run(_tail())
+        return None
+    except Exception as exc:
+        raise UserError(f"job {job_id}: {_first_line(exc)}") from None
+
+
+def stop(job_id: str, address: str | None = None) -> bool:
+    jobs = client(address)
+    try:
+        return jobs.stop_job(job_id)
+    except Exception as exc:
+        raise UserError(f"job {job_id}: {_first_line(exc)}") from None
+
+
+def wait(job_id: str, address: str | None = None, timeout_s: float = 600.0) -> str:
+    """Blocks until the job reaches a terminal state; returns it."""
+    deadline = time.time() + timeout_s
+    while True:
+        state = status(job_id, address)["status"]
+        if state in TERMINAL:
+            return state
+        if time.time() > deadline:
+            raise UserError(f"job {job_id} still {state} after {timeout_s:g} s")
+        time.sleep(2)

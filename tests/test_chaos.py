@@ -1,0 +1,232 @@
+"""Chaos tests on a local multi-node Ray (raytrain_lm.chaos.LocalCluster): nodes are killed,
+drained and added while runs train; every test checks the data ledger and the final state.
+
+Marked `chaos`: `make test` runs them in their own pytest process after the others, because
+they need a multi-node Ray instead of the shared single-node session.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import raytrain_lm
+from raytrain_lm.chaos import Background, LocalCluster, segments, wait_for_event
+from raytrain_lm.config import load_config
+from raytrain_lm.data.ledger import read_ledger
+from raytrain_lm.trainer import faults
+from raytrain_lm.trainer.checkpoint import complete_checkpoints
+
+pytestmark = pytest.mark.chaos
+
+GLOBAL_BATCH = 12  # divisible by every world size a test uses (1 to 4)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    local = LocalCluster(workers=3)
+    yield local
+    local.shutdown()
+
+
+@pytest.fixture
+def chaos_overrides(cluster, tiny_overrides):
+    # Replace nodes a previous test killed or drained, so each test starts with 3.
+    while len(cluster.nodes) < 3:
+        cluster.add_node()
+    return [
+        *tiny_overrides,
+        *cluster.overrides(),
+        f"training.global_batch_size={GLOBAL_BATCH}",
+        "training.ledger=true",
+        "training.eval_every=100000",
+        "data.shuffle_window_shards=1",
+        "scaling.data_cpus=1",
+    ]
+
+
+def _train(overrides: list[str]) -> dict:
+    return raytrain_lm.train(load_config(None, overrides), sample=False)
+
+
+def _assert_exactly_once(run_dir: Path, steps: int) -> None:
+    consumed = read_ledger(run_dir)
+    assert consumed.tolist() == list(range(steps * GLOBAL_BATCH)), "a sequence repeated or skipped"
+
+
+def test_node_loss_shrinks_then_grows_back(cluster, chaos_overrides, tmp_path, monkeypatch):
+    """a. a killed node: the run continues on fewer workers and completes, every sequence once;
+    b. the node comes back: the run grows to max workers again."""
+    steps = 1000
+    run_dir = tmp_path / "runs" / "shrink-grow"
+    overrides = [
+        *chaos_overrides,
+        "name=shrink-grow",
+        "scaling.min_workers=2",
+        "scaling.max_workers=3",
+        f"training.max_steps={steps}",
+        "checkpoint.every_steps=25",
+    ]
+    monkeypatch.setenv(faults.ENV_VAR, "slow-steps:seconds=0.1")  # >= 150 s of steps
+    run = Background(lambda: _train(overrides))
+    wait_for_event(run_dir, lambda e: e["event"] == "first_step", 180, still_running=run)
+    assert segments(run_dir)[-1]["world_size"] == 3
+    _wait_for_checkpoint(run_dir, run)
+
+    killed_at = time.time()
+    cluster.kill_node()
+    shrunk = wait_for_event(
+        run_dir,
+        lambda e: e["event"] == "segment_start" and e["world_size"] == 2,
+        120,
+        after=killed_at,
+        still_running=run,
+    )
+    assert shrunk["restored_step"] > 0
+    cluster.add_node()
+    grown = wait_for_event(
+        run_dir,
+        lambda e: e["event"] == "segment_start" and e["world_size"] == 3,
+        120,
+        after=shrunk["t"],
+        still_running=run,
+    )
+    assert grown["restored_step"] >= shrunk["restored_step"]
+
+    summary = run.wait(600)
+    assert summary["steps"] == steps and summary["tokens"] == steps * GLOBAL_BATCH * 32
+    _assert_exactly_once(run_dir, steps)
+    assert summary["goodput"]["restarts"] >= 2
+    assert 0 < summary["goodput"]["productive_ratio"] < 1
+
+
+def test_drain_writes_a_just_in_time_checkpoint_and_loses_no_step(
+    cluster, chaos_overrides, tmp_path, monkeypatch
+):
+    """c. a spot notice (drain with the preemption reason and a deadline): a just-in-time
+    checkpoint is written at once and the next worker group starts from exactly that step."""
+    steps = 800
+    run_dir = tmp_path / "runs" / "drain"
+    overrides = [
+        *chaos_overrides,
+        "name=drain",
+        "scaling.min_workers=2",
+        "scaling.max_workers=3",
+        f"training.max_steps={steps}",
+        "checkpoint.every_steps=1000",  # the periodic checkpoint would lose many steps
+    ]
+    monkeypatch.setenv(faults.ENV_VAR, "slow-steps:seconds=0.05")
+    run = Background(lambda: _train(overrides))
+    wait_for_event(run_dir, lambda e: e["event"] == "first_step", 180, still_running=run)
+    time.sleep(3)
+    drained_at = time.time()
+    node = cluster.drain_node(deadline_s=60)
+    notice = wait_for_event(
+        run_dir, lambda e: e["event"] == "preemption", 60, after=drained_at, still_running=run
+    )
+    resumed = wait_for_event(
+        run_dir,
+        lambda e: e["event"] == "segment_start" and e["t"] > notice["t"],
+        120,
+        still_running=run,
+    )
+    assert resumed["restored_step"] == notice["step"]  # the just-in-time checkpoint
+    assert resumed["world_size"] == 2  # nothing lands on the draining node
+    cluster.kill_node(node)  # the cloud takes the machine at its deadline
+
+    summary = run.wait(600)
+    assert summary["steps"] == steps
+    assert summary["goodput"]["preemptions"] == 1
+    assert summary["goodput"]["steps_recomputed"] == 0  # no optimizer step lost
+    _assert_exactly_once(run_dir, steps)
+
+
+def test_worker_killed_while_writing_a_checkpoint(cluster, chaos_overrides, tmp_path, monkeypatch):
+    """d. rank 0 dies half-way through writing the step-8 checkpoint: the run restarts from the
+    step-4 one, never loads a partial checkpoint, and ends bit-identical to an uninterrupted
+    run of the same size."""
+    common = [
+        *chaos_overrides,
+        "scaling.num_workers=2",
+        "training.max_steps=12",
+        "checkpoint.every_steps=4",
+        "model.dropout=0.1",
+    ]
+    straight = _train([*common, "name=straight"])
+
+    run_dir = tmp_path / "runs" / "killed"
+    _train([*common, "name=killed", "training.stop_after_step=4"])
+    # A stray partial checkpoint (marker present, model file cut short) must be ignored.
+    partial = run_dir / "checkpoint_9999-12-31_23-59-59.000000"
+    partial.mkdir()
+    good = complete_checkpoints(run_dir)[-1]
+    for item in good.iterdir():
+        (partial / item.name).write_bytes(item.read_bytes())
+    (partial / "train_state.json").write_text('{"step": 11, "tokens": 0, "position": 132}')
+    with open(partial / "model.safetensors", "r+b") as model_file:
+        model_file.truncate(100)
+
+    monkeypatch.setenv(faults.ENV_VAR, "kill-in-checkpoint:step=8:rank=0")
+    summary = _train([*common, "name=killed"])
+    assert (run_dir / "fault-fired-kill-in-checkpoint-8-0").exists()
+    assert summary["steps"] == 12 and summary["goodput"]["restarts"] >= 1
+    _assert_exactly_once(run_dir, 12)
+    a = load_file(str(Path(straight["checkpoint"]) / "model.safetensors"))
+    b = load_file(str(Path(summary["checkpoint"]) / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a), "resumed run differs from uninterrupted"
+
+
+def test_driver_killed_then_same_command_resumes(cluster, chaos_overrides, tmp_path):
+    """e. SIGKILL the driver mid-run, start the same command again: it continues from the last
+    checkpoint and completes, every sequence once."""
+    steps = 400
+    run_dir = tmp_path / "runs" / "driver"
+    command = [
+        sys.executable,
+        "-m",
+        "raytrain_lm.cli",
+        "train",
+        *[
+            f"--set={o}"
+            for o in [
+                *chaos_overrides,
+                "name=driver",
+                "scaling.num_workers=2",
+                f"training.max_steps={steps}",
+                "checkpoint.every_steps=20",
+                f"scaling.ray_address={cluster.address}",
+            ]
+        ],
+    ]
+    env = {**os.environ, "RAY_ADDRESS": cluster.address}
+    first = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 240
+        while not complete_checkpoints(run_dir) and time.time() < deadline:
+            assert first.poll() is None, first.stdout.read().decode()[-3000:]
+            time.sleep(0.5)
+        assert complete_checkpoints(run_dir), "no checkpoint written"
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+
+    second = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert "resuming run 'driver' from checkpoint_" in second.stdout
+    _assert_exactly_once(run_dir, steps)
+
+
+def _wait_for_checkpoint(run_dir: Path, run: Background, timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while not complete_checkpoints(run_dir):
+        if time.time() > deadline or not run.running:
+            raise AssertionError("no checkpoint before the chaos started")
+        time.sleep(0.2)

@@ -1,0 +1,257 @@
+"""Cluster configs are product: each validates against Ray's own autoscaler schema and keeps the
+promises docs/clusters.md makes (on-demand GPU-free head, spot GPU types with markers, bounded
+scale, token auth, localhost dashboard, SSH-only ingress); KubeRay manifests agree with each
+other and with `raytrain-lm submit`; placement asks for what the nodes advertise."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+import yaml
+
+from raytrain_lm.config import load_config
+from raytrain_lm.errors import UserError
+from raytrain_lm.jobs import UPLOAD_EXCLUDES, entrypoint
+from raytrain_lm.placement import ACCELERATOR_LABEL, MARKER_AMOUNT, worker_resources
+from raytrain_lm.trainer.hardware import gpu_peak_flops
+
+pytestmark = pytest.mark.cluster
+
+ROOT = Path(__file__).resolve().parents[1]
+CLOUD = ["aws.yaml", "gcp.yaml"]
+KUBERAY = ROOT / "cluster" / "kuberay"
+
+
+def _load(name: str) -> dict:
+    return yaml.safe_load((ROOT / "cluster" / name).read_text())
+
+
+def _markers(resources: dict) -> tuple[list[str], list[str]]:
+    types = [k.split(":", 1)[1] for k in resources if k.startswith("accelerator_type:")]
+    capacity = [k for k in ("spot", "on_demand") if resources.get(k)]
+    return types, capacity
+
+
+@pytest.mark.parametrize("name", CLOUD)
+def test_cloud_config_passes_rays_validation(name):
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    # prepare_config merges the provider's defaults exactly as `ray up` does, then the schema
+    # (ray/autoscaler/ray-schema.json) and Ray's cross-field checks run on the result.
+    config = prepare_config(_load(name))
+    validate_config(config)
+    assert config["head_node_type"] == "head"
+
+
+def test_local_config_passes_rays_validation():
+    from ray.autoscaler._private.util import validate_config
+
+    # The wheel lacks fake_multinode's defaults file, so local.yaml spells out every field.
+    validate_config(_load("local.yaml"))
+
+
+@pytest.mark.parametrize("name", [*CLOUD, "local.yaml"])
+def test_node_types_keep_the_placement_contract(name):
+    config = _load(name)
+    types = config["available_node_types"]
+    head = types[config["head_node_type"]]
+    assert head["resources"].get("GPU", 0) == 0
+    assert _markers(head["resources"]) == ([], []), "training workers must not fit on the head"
+    workers = {k: v for k, v in types.items() if k != config["head_node_type"]}
+    assert len({_markers(v["resources"])[0][0] for v in workers.values()}) >= 2
+    capacities = []
+    for node_type, spec in workers.items():
+        accel, capacity = _markers(spec["resources"])
+        assert len(accel) == 1 and spec["resources"][f"accelerator_type:{accel[0]}"] == 1, node_type
+        assert len(capacity) == 1, f"{node_type} must say spot or on_demand"
+        assert spec["resources"]["GPU"] >= 1, node_type
+        assert spec.get("min_workers", 0) == 0, node_type
+        assert 1 <= spec["max_workers"] <= config["max_workers"], node_type
+        capacities.append(capacity[0])
+    assert "on_demand" in capacities and capacities.count("spot") >= 2
+    assert 0 < config["idle_timeout_minutes"] <= 15
+
+
+def test_spot_markers_match_the_instances_billing():
+    for node_type, spec in _load("aws.yaml")["available_node_types"].items():
+        market = spec["node_config"].get("InstanceMarketOptions", {}).get("MarketType")
+        assert (market == "spot") == bool(spec["resources"].get("spot")), node_type
+    for node_type, spec in _load("gcp.yaml")["available_node_types"].items():
+        model = spec["node_config"].get("scheduling", {}).get("provisioningModel")
+        assert (model == "SPOT") == bool(spec["resources"].get("spot")), node_type
+
+
+@pytest.mark.parametrize("name", CLOUD)
+def test_cloud_configs_are_secure_by_default(name):
+    config = _load(name)
+    head_start = " ".join(config["head_start_ray_commands"])
+    worker_start = " ".join(config["worker_start_ray_commands"])
+    assert "--dashboard-host=127.0.0.1" in head_start
+    assert "RAY_AUTH_MODE=token" in head_start and "RAY_AUTH_MODE=token" in worker_start
+    assert config["file_mounts"]["~/.ray/auth_token"] == "~/.ray/auth_token"
+    assert any("pip install" in c and "raytrain-lm" in c for c in config["setup_commands"])
+    if name == "aws.yaml":
+        rules = config["provider"]["security_group"]["IpPermissions"]
+        assert [(r["FromPort"], r["ToPort"]) for r in rules] == [(22, 22)]
+    text = (ROOT / "cluster" / name).read_text()
+    for secret in (r"AKIA[0-9A-Z]{16}", r"PRIVATE KEY", r"(?i)aws_secret", r"(?i)password:"):
+        assert not re.search(secret, text), secret
+
+
+def _kuberay() -> list[dict]:
+    return [yaml.safe_load(p.read_text()) for p in sorted(KUBERAY.glob("*.yaml"))]
+
+
+def _cluster_specs() -> list[dict]:
+    specs = []
+    for doc in _kuberay():
+        specs.append(doc["spec"] if doc["kind"] == "RayCluster" else doc["spec"]["rayClusterSpec"])
+    return specs
+
+
+def test_kuberay_manifests_use_one_image_built_from_this_repo():
+    import ray
+
+    docs = _kuberay()
+    assert {d["kind"] for d in docs} == {"RayCluster", "RayJob"}
+    images = set(
+        re.findall(r"image: (\S+)", "".join(p.read_text() for p in KUBERAY.glob("*.yaml")))
+    )
+    assert len(images) == 1
+    dockerfile = (KUBERAY / "Dockerfile").read_text()
+    assert f"rayproject/ray:{ray.__version__}-" in dockerfile
+    assert images.pop().split(":")[-1] in dockerfile  # the tag the build comment produces
+    for spec in _cluster_specs():
+        assert spec["rayVersion"] == ray.__version__
+        assert spec["authOptions"]["mode"] == "token"
+        assert spec["enableInTreeAutoscaling"] is True
+        assert spec["headGroupSpec"]["rayStartParams"]["num-gpus"] == "0"
+
+
+def test_kuberay_worker_groups_carry_markers_and_spot_scheduling():
+    for spec in _cluster_specs():
+        for group in spec["workerGroupSpecs"]:
+            raw = group["rayStartParams"]["resources"]
+            resources = json.loads(raw.strip('"').replace('\\"', '"'))
+            accel, capacity = _markers(resources)
+            assert len(accel) == 1 and len(capacity) == 1, group["groupName"]
+            assert group["minReplicas"] == 0 and group["maxReplicas"] >= 1
+            pod = group["template"]["spec"]
+            spot_selector = pod["nodeSelector"].get("cloud.google.com/gke-spot") == "true"
+            spot_toleration = any(
+                t["key"] == "cloud.google.com/gke-spot" for t in pod.get("tolerations", [])
+            )
+            is_spot = capacity == ["spot"]
+            assert spot_selector == is_spot and spot_toleration == is_spot, group["groupName"]
+            gpus = pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]
+            assert int(gpus) >= 1
+
+
+def test_rayjob_runs_what_submit_sends():
+    job = next(d for d in _kuberay() if d["kind"] == "RayJob")
+    words = shlex.split(job["spec"]["entrypoint"])
+    config = words[4]
+    assert (ROOT / config).is_file()
+    user = [w for w in words[words.index("scaling.ray_address=auto") + 1 :] if w != "--set"]
+    expected, _ = entrypoint(config, user, ROOT)
+    assert " ".join(job["spec"]["entrypoint"].split()) == expected
+
+
+def _scaling(*overrides: str):
+    return load_config(None, list(overrides)).scaling
+
+
+def test_placement_pins_one_type_and_capacity():
+    s = _scaling("scaling.accelerator_type=A100", "scaling.capacity=spot", "scaling.use_gpu=false")
+    placed = worker_resources(s, False, {})
+    assert placed == {
+        "resources_per_worker": {
+            "CPU": 1.0,
+            "spot": MARKER_AMOUNT,
+            "accelerator_type:A100": MARKER_AMOUNT,
+        }
+    }
+
+
+def test_placement_keeps_a_ddp_group_on_the_type_that_is_up():
+    s = _scaling("scaling.accelerator_type=[L4, A100, H100]", "scaling.capacity=on_demand")
+    placed = worker_resources(s, True, {"accelerator_type:A100": 2.0, "accelerator_type:L4": 1})
+    resources = placed["resources_per_worker"]
+    assert resources["GPU"] == 1.0 and resources["on_demand"] == MARKER_AMOUNT
+    assert [k for k in resources if k.startswith("accelerator_type:")] == ["accelerator_type:A100"]
+    # nothing up: the first listed type, whose nodes the autoscaler launches
+    cold = worker_resources(s, True, {})["resources_per_worker"]
+    assert "accelerator_type:L4" in cold
+
+
+def test_mixed_placement_uses_a_selector_ray_accepts():
+    from ray._private.label_utils import validate_label_selector
+
+    s = _scaling("scaling.accelerator_type=[A100, H100]", "scaling.allow_mixed_accelerators=true")
+    placed = worker_resources(s, True, {})
+    assert placed["label_selector"] == {ACCELERATOR_LABEL: "in(A100,H100)"}
+    assert validate_label_selector(placed["label_selector"]) is None
+    assert not any(k.startswith("accelerator_type:") for k in placed["resources_per_worker"])
+
+
+def test_peak_flops_by_accelerator_type():
+    assert gpu_peak_flops("NVIDIA L40") == 181e12  # not L4's
+    assert gpu_peak_flops("L4") == 121e12
+    assert gpu_peak_flops("A100-80G") == gpu_peak_flops("NVIDIA A100-SXM4-40GB") == 312e12
+    assert gpu_peak_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert gpu_peak_flops("TPU-V4") is None
+
+
+def test_upload_excludes_keep_code_and_drop_outputs(tmp_path):
+    from ray._private.runtime_env.packaging import _dir_travel, _get_excludes
+
+    for rel in [
+        "raytrain_lm/data/stream.py",
+        "experiments/demo.yaml",
+        "data/abc/shard-0.parquet",
+        "runs/demo/summary.json",
+        ".git/HEAD",
+        ".venv/bin/python",
+        "mlflow.db",
+    ]:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("x")
+    kept = []
+    _dir_travel(
+        tmp_path,
+        [_get_excludes(tmp_path, UPLOAD_EXCLUDES)],
+        lambda p: kept.append(p.relative_to(tmp_path).as_posix()) if p.is_file() else None,
+        include_gitignore=False,
+    )
+    assert sorted(kept) == ["experiments/demo.yaml", "raytrain_lm/data/stream.py"]
+
+
+def test_submit_moves_relative_outputs_to_storage_and_refuses_outside_configs(tmp_path):
+    command, cfg = entrypoint(
+        "experiments/demo.yaml", ["output_dir=/shared/runs", "name=x"], ROOT, "/mnt/store"
+    )
+    words = shlex.split(command)
+    assert "output_dir=/shared/runs" in words and "data.cache_dir=/mnt/store/data" in words
+    assert "scaling.ray_address=auto" in words and cfg.name == "x"
+    outside = tmp_path / "run.yaml"
+    outside.write_text("name: y\n")
+    with pytest.raises(UserError, match="outside the working dir"):
+        entrypoint(str(outside), [], ROOT)
+
+
+def test_cli_user_errors_are_one_line(capsys):
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "raytrain_lm.cli", "submit", "missing.yaml", "--address", "x:1"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert done.returncode == 2
+    assert done.stderr.strip() == "raytrain-lm: error: config file not found: missing.yaml"

@@ -1,0 +1,176 @@
+"""The pieces of fault tolerance that need no cluster: checkpoint completeness and pruning,
+goodput accounting, elastic config checks, fault injection parsing, the watchdog."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from raytrain_lm.config import load_config
+from raytrain_lm.errors import UserError
+from raytrain_lm.model import GPT, GPTShape
+from raytrain_lm.runtime import check_schedulable
+from raytrain_lm.trainer import faults
+from raytrain_lm.trainer.checkpoint import (
+    TrainState,
+    best_checkpoint,
+    is_complete,
+    latest_complete_checkpoint,
+    prune_checkpoints,
+    save_checkpoint,
+)
+from raytrain_lm.trainer.goodput import (
+    Heartbeat,
+    append_event,
+    close_previous_segment,
+    read_events,
+    summarize,
+)
+from raytrain_lm.trainer.plan import BatchPlan
+
+
+def _save(run_dir: Path, step: int, val_loss: float | None = None) -> Path:
+    model = GPT(GPTShape(vocab_size=16, block_size=4, n_layer=1, n_head=1, n_embd=8))
+    optimizer = torch.optim.AdamW(model.parameters())
+    state = TrainState(step=step, val_loss=val_loss, val_step=step if val_loss else None)
+    directory = run_dir / f"checkpoint_{step:04d}"
+    save_checkpoint(directory, model, optimizer, state, "{}", "name: t\n")
+    return directory
+
+
+def test_checkpoint_is_complete_only_with_every_listed_file(tmp_path):
+    directory = _save(tmp_path, 1)
+    assert is_complete(directory)
+    listed = json.loads((directory / "COMPLETE").read_text())["files"]
+    assert {"model.safetensors", "optimizer.pt", "train_state.json"} <= set(listed)
+    with open(directory / "optimizer.pt", "r+b") as f:  # an upload cut short
+        f.truncate(10)
+    assert not is_complete(directory)
+    other = _save(tmp_path, 2)
+    (other / "model.safetensors").unlink()
+    assert not is_complete(other)
+    assert latest_complete_checkpoint(tmp_path) is None
+
+
+def test_prune_keeps_last_k_and_the_best(tmp_path):
+    for step, val in ((1, 3.0), (2, 1.0), (3, 2.0), (4, 2.5), (5, None)):
+        _save(tmp_path, step, val)
+    (tmp_path / "checkpoint_9999").mkdir()  # incomplete: maybe an upload in progress
+    assert best_checkpoint(tmp_path).name == "checkpoint_0002"
+    removed = prune_checkpoints(tmp_path, keep_last=2, keep_best=True)
+    assert sorted(p.name for p in removed) == ["checkpoint_0001", "checkpoint_0003"]
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == ["checkpoint_0002", "checkpoint_0004", "checkpoint_0005", "checkpoint_9999"]
+    prune_checkpoints(tmp_path, keep_last=1, keep_best=False)
+    assert latest_complete_checkpoint(tmp_path).name == "checkpoint_0005"
+    assert not (tmp_path / "checkpoint_0002").exists()
+
+
+def test_goodput_from_events(tmp_path):
+    run = tmp_path
+    append_event(run, "job_start", t=0.0)
+    append_event(
+        run, "segment_start", t=11.0, segment="a", t_start=10.0, restored_step=0,
+        world_size=3, price_per_hour=3600.0,
+    )  # fmt: skip
+    append_event(run, "first_step", t=12.0, segment="a", step=1)
+    Heartbeat("a", 50, 60.0, 45.0).write(run)  # 50 steps, the node died after t=60
+    append_event(run, "failure_detected", t=63.0)
+    close_previous_segment(run)
+    close_previous_segment(run)  # idempotent
+    append_event(
+        run, "segment_start", t=71.0, segment="b", t_start=70.0, restored_step=40,
+        world_size=2, price_per_hour=1800.0,
+    )  # fmt: skip
+    append_event(run, "first_step", t=75.0, segment="b", step=41)
+    Heartbeat("b", 100, 130.0, 54.0).write(run)
+    close_previous_segment(run)
+    events = read_events(run)
+    assert sum(e["event"] == "segment_end" for e in events) == 2
+
+    g = summarize(events)
+    assert g.restarts == 1 and g.preemptions == 0
+    assert g.steps_recomputed == 10  # reached 50, restored 40
+    assert g.recovery_s == pytest.approx(75.0 - 60.0)
+    assert g.step_s == pytest.approx(99.0)
+    assert g.recomputed_s == pytest.approx(45.0 * 10 / 50)
+    assert g.wall_s == pytest.approx((60 - 10) + (70 - 60) + (130 - 70))
+    assert g.cost == pytest.approx(50 * 1.0 + 60 * 0.5)
+    assert g.productive_ratio == pytest.approx((99.0 - 9.0) / 120.0)
+    metrics = g.metrics(tokens=2_000_000)
+    assert metrics["cost/per_million_tokens"] == pytest.approx(80.0 / 2)
+
+
+def test_goodput_whole_job_restart_counts_from_the_new_job(tmp_path):
+    run = tmp_path
+    append_event(run, "job_start", t=0.0)
+    append_event(
+        run, "segment_start", t=1.0, segment="a", t_start=1.0, restored_step=0,
+        world_size=1, price_per_hour=0.0,
+    )  # fmt: skip
+    append_event(run, "first_step", t=2.0, segment="a", step=1)
+    Heartbeat("a", 20, 30.0, 25.0).write(run)
+    close_previous_segment(run)
+    append_event(run, "job_start", t=1000.0)  # the driver was restarted much later
+    append_event(
+        run, "segment_start", t=1010.0, segment="b", t_start=1005.0, restored_step=20,
+        world_size=1, price_per_hour=0.0,
+    )  # fmt: skip
+    append_event(run, "first_step", t=1012.0, segment="b", step=21)
+    g = summarize(read_events(run), now=1020.0)
+    assert g.recovery_s == pytest.approx(12.0) and g.steps_recomputed == 0
+
+
+def test_elastic_config_refuses_a_batch_that_cannot_split():
+    with pytest.raises(UserError, match="not divisible by world size 3"):
+        load_config(None, ["scaling.min_workers=2", "scaling.max_workers=4"])
+    cfg = load_config(
+        None, ["scaling.min_workers=2", "scaling.max_workers=4", "training.global_batch_size=24"]
+    )
+    plans = {w: BatchPlan.derive(cfg.training, w) for w in cfg.scaling.world_sizes}
+    assert {w: (p.micro_batch, p.accumulation) for w, p in plans.items()} == {
+        2: (12, 1),
+        3: (8, 1),
+        4: (6, 1),
+    }
+    assert all(p.global_batch == 24 for p in plans.values())
+    with pytest.raises(UserError, match="min_workers .5. exceeds"):
+        load_config(None, ["scaling.min_workers=5"])
+
+
+def test_unschedulable_configs_are_refused_with_the_reason():
+    cfg = load_config(None, ["scaling.num_workers=4"])
+    with pytest.raises(UserError, match="needs 5 CPUs, the cluster has 4"):
+        check_schedulable(cfg.scaling, {"CPU": 4.0})
+    check_schedulable(cfg.scaling, {"CPU": 4.0}, fixed_size=False)  # may autoscale
+    with pytest.raises(UserError, match="leaves Ray Data no CPU"):
+        check_schedulable(load_config(None, ["scaling.data_cpus=0"]).scaling, {"CPU": 8.0})
+    slots = load_config(None, ["scaling.worker_resources.slot=1"]).scaling
+    with pytest.raises(UserError, match="resource 'slot'"):
+        check_schedulable(slots, {"CPU": 8.0, "slot": 1.0})
+
+
+def test_fault_spec_parsing():
+    assert faults.parse(None) is None
+    assert faults.parse("kill-in-checkpoint:step=8:rank=0") == {
+        "point": "kill-in-checkpoint",
+        "step": "8",
+        "rank": "0",
+    }
+
+
+def test_watchdog_ends_a_stuck_worker():
+    code = (
+        "import time\n"
+        "from raytrain_lm.trainer.watchdog import StepWatchdog\n"
+        "StepWatchdog(0.5).start()\n"
+        "time.sleep(30)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 70
+    assert "no step finished" in done.stderr and "Stacks follow" in done.stderr
