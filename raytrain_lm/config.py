@@ -147,6 +147,9 @@ class ScalingConfig(_Section):
     capacity: Literal["any", "spot", "on_demand"] = Field(
         "any", description="which nodes workers may use (nodes carry a spot or on_demand resource)"
     )
+    label_selector: dict[str, str] = Field(
+        default_factory=dict, description="Ray node labels workers require, e.g. {zone: us-a}"
+    )
     allow_mixed_accelerators: bool = Field(
         False, description="let one run's DDP group span several accelerator types"
     )

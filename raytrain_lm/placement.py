@@ -54,6 +54,8 @@ def worker_resources(
         resources[f"accelerator_type:{chosen}"] = MARKER_AMOUNT
     elif types:
         extra["label_selector"] = {ACCELERATOR_LABEL: f"in({','.join(types)})"}
+    if scaling.label_selector:
+        extra["label_selector"] = {**extra.get("label_selector", {}), **scaling.label_selector}
     return {"resources_per_worker": resources, **extra}
 
 

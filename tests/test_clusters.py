@@ -255,3 +255,16 @@ def test_cli_user_errors_are_one_line(capsys):
     )
     assert done.returncode == 2
     assert done.stderr.strip() == "raytrain-lm: error: config file not found: missing.yaml"
+
+
+def test_user_label_selector_joins_the_placement():
+    from ray._private.label_utils import validate_label_selector
+
+    s = _scaling(
+        "scaling.accelerator_type=[A100, H100]",
+        "scaling.allow_mixed_accelerators=true",
+        "scaling.label_selector.zone=us-east-1a",
+    )
+    placed = worker_resources(s, True, {})
+    assert placed["label_selector"] == {ACCELERATOR_LABEL: "in(A100,H100)", "zone": "us-east-1a"}
+    assert validate_label_selector(placed["label_selector"]) is None
