@@ -126,16 +126,18 @@ def preemption(cluster: LocalCluster, root: Path, name: str, jit: bool) -> dict[
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--only", choices=["node-loss", "drain"])
     args = parser.parse_args()
     cluster = LocalCluster(workers=3)
     try:
         with tempfile.TemporaryDirectory() as tmp:
             root = Path(tmp)
-            losses = [node_loss(cluster, root, f"loss-{i}") for i in range(args.rounds)]
-            for key in losses[0]:
+            rounds = 0 if args.only == "drain" else args.rounds
+            losses = [node_loss(cluster, root, f"loss-{i}") for i in range(rounds)]
+            for key in losses[0] if losses else []:
                 values = [round(x[key], 1) for x in losses]
                 print(f"node loss {key:>12}: median {statistics.median(values):5.1f} s  {values}")
-            for jit in (True, False):
+            for jit in (True, False) if args.only != "node-loss" else ():
                 result = preemption(cluster, root, f"drain-{'jit' if jit else 'nojit'}", jit)
                 label = "with just-in-time checkpoint" if jit else "without (Ray default)"
                 print(f"drain {label}: {result}")

@@ -8,6 +8,7 @@ The head keeps the CPUs that Ray Data reads with, like a real cluster's CPU head
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -42,6 +43,9 @@ class LocalCluster:
 
         if ray.is_initialized():
             ray.shutdown()
+        # Read by Ray Train's controller, which inherits it from the head's processes: after a
+        # node loss the survivors' process-group teardown cannot finish, so don't wait 30 s.
+        os.environ.setdefault("TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S", "3")
         self.cpus_per_node = cpus_per_node
         self.cluster = Cluster(
             initialize_head=True,

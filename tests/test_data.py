@@ -1,10 +1,13 @@
+import os
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from raytrain_lm.config import DataConfig
-from raytrain_lm.data.manifest import Manifest, read_shard
+from raytrain_lm.data import manifest as manifest_module
+from raytrain_lm.data.manifest import Manifest, read_shard, verify_shards
 from raytrain_lm.data.order import SequenceOrder, validation_starts
 from raytrain_lm.data.prepare import prepare
 from raytrain_lm.data.stream import WorkerSlice
@@ -74,6 +77,52 @@ def test_corrupted_shard_is_named(tmp_path):
     path.write_bytes(path.read_bytes()[:-8] + b"garbage!")
     with pytest.raises(UserError, match=f"shard {shard.file} is corrupted"):
         read_shard(prepared.directory, shard)
+
+
+def test_shards_are_hashed_once_per_version_and_corruption_is_still_named(tmp_path, monkeypatch):
+    (tmp_path / "corpus.txt").write_text(TEXT)
+    prepared = prepare(_cfg(tmp_path))
+    directory, manifest = prepared.directory, prepared.manifest
+    shards = [s for split in manifest.splits.values() for s in split.shards]
+    assert len(shards) > 2
+    week_ago = time.time() - 7 * 86400  # as a dataset prepared earlier, not just now
+    for shard in shards:
+        os.utime(Path(directory) / shard.file, (week_ago, week_ago))
+
+    assert verify_shards(directory, manifest) == len(shards)  # first start: every shard
+    assert verify_shards(directory, manifest) == 0  # later starts: none
+    hashed = []
+    real_sha256 = manifest_module.file_sha256
+    monkeypatch.setattr(
+        manifest_module, "file_sha256", lambda path: hashed.append(path) or real_sha256(path)
+    )
+    for shard in shards:  # workers' first reads trust the stamp too
+        read_shard(directory, shard)
+    assert hashed == []
+
+    # Same size, new mtime: that shard alone is hashed again, and refused by name.
+    first = Path(directory) / shards[0].file
+    good = first.read_bytes()
+    first.write_bytes(good[:-8] + b"garbage!")
+    with pytest.raises(UserError, match=f"shard {shards[0].file} is corrupted"):
+        verify_shards(directory, manifest)
+    with pytest.raises(UserError, match=f"shard {shards[0].file} is corrupted"):
+        read_shard(directory, shards[0])
+    assert len(hashed) == 2 and all(h.endswith(shards[0].file) for h in hashed)
+
+    # A shard modified within a timestamp tick of its check is hashed until it is older.
+    first.write_bytes(good)
+    assert verify_shards(directory, manifest) == 1
+    assert verify_shards(directory, manifest) == 1
+    os.utime(first, (week_ago, week_ago))
+    assert verify_shards(directory, manifest) == 1
+    assert verify_shards(directory, manifest) == 0
+
+    # The stamp vouches for a checksum, not a folder: another manifest version is rechecked.
+    other = Manifest.load(directory)
+    other.splits["train"].shards[1].sha256 = "0" * 64
+    with pytest.raises(UserError, match=f"shard {shards[1].file} is corrupted"):
+        verify_shards(directory, other)
 
 
 def test_empty_corpus_is_refused(tmp_path):

@@ -1,19 +1,33 @@
-"""The manifest: what a prepared token dataset holds. Written last, so its presence publishes."""
+"""The manifest: what a prepared token dataset holds. Written last, so its presence publishes.
+
+Shard checksums are verified once per dataset version, not at every start: a successful check
+leaves a stamp (`.verified.json` beside the manifest) recording each shard's checksum, size
+and modification time when it was hashed. Later checks, and the workers' reads, hash only
+the shards whose expected checksum, size or mtime differ from the stamp (or that have none).
+"""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from raytrain_lm.data import storage
 from raytrain_lm.errors import UserError
 
 MANIFEST_FILE = "manifest.json"
+STAMP_FILE = ".verified.json"
+# A shard modified within one timestamp tick of being hashed could keep its mtime (ticks are
+# ~4 ms on Linux, up to 2 s on FAT or some object stores): such entries are not trusted, so a
+# shard is only skipped if its mtime is older than its check by more than this.
+RACY_NS = 2_000_000_000
 FORMAT_VERSION = 1
 TOKENS_COLUMN = "tokens"
 
@@ -81,6 +95,62 @@ def file_sha256(path: str | Path) -> str:
     return digest.hexdigest()
 
 
+def _stat(path: str) -> tuple[int, int] | None:
+    """(size, mtime_ns) of a file, None if it does not exist."""
+    fs, inner = storage.filesystem(path)
+    info = fs.get_file_info(inner)
+    if info.type == pafs.FileType.NotFound:
+        return None
+    return info.size or 0, info.mtime_ns or 0
+
+
+_stamps: dict[str, tuple[tuple[int, int] | None, dict]] = {}  # path -> (its stat, trusted)
+
+
+def _trusted(directory: str | Path) -> dict[str, tuple[str, int, int]]:
+    """Shard file -> (sha256, size, mtime_ns) that the stamp vouches for.
+
+    Entries hold the checksum the file had, not a manifest version: a shard is vouched for
+    exactly when the manifest expects that checksum and the file is as it was when hashed.
+    """
+    path = storage.join(directory, STAMP_FILE)
+    stat = _stat(path)
+    if stat is None:
+        return {}
+    cached = _stamps.get(path)
+    if cached is not None and cached[0] == stat:
+        return cached[1]  # workers read many shards: parse the stamp once per version of it
+    try:
+        entries = json.loads(storage.read_bytes(path))["shards"]
+        trusted = {
+            file: (sha256, size, mtime)
+            for file, (sha256, size, mtime, checked) in entries.items()
+            if 0 < mtime <= checked - RACY_NS
+        }
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        trusted = {}  # unreadable or from an older layout: hash everything, restamp
+    _stamps[path] = (stat, trusted)
+    return trusted
+
+
+def _vouched(directory: str | Path, shard: ShardInfo, stat: tuple[int, int] | None) -> bool:
+    return stat is not None and _trusted(directory).get(shard.file) == (shard.sha256, *stat)
+
+
+def _write_stamp(directory: str | Path, shards: dict[str, list]) -> None:
+    data = json.dumps({"shards": shards}).encode()
+    try:
+        if storage.is_uri(directory):
+            storage.write_bytes(storage.join(directory, STAMP_FILE), data)
+            return
+        # Written aside and renamed, so a concurrent reader never sees half a stamp.
+        tmp = Path(directory, f"{STAMP_FILE}.{os.getpid()}")
+        tmp.write_bytes(data)
+        os.replace(tmp, Path(directory, STAMP_FILE))
+    except OSError:
+        pass  # a read-only dataset is still verified, just at every start
+
+
 def _check_checksum(path: str, shard: ShardInfo) -> None:
     if file_sha256(path) != shard.sha256:
         raise UserError(f"shard {shard.file} is corrupted: checksum mismatch with the manifest")
@@ -95,9 +165,10 @@ def read_tokens(path: str | Path) -> np.ndarray:
 
 
 def read_shard(directory: str | Path, shard: ShardInfo, verify: bool = True) -> np.ndarray:
-    """All tokens of one shard as a flat array, after checking its checksum."""
+    """All tokens of one shard as a flat array, after checking its checksum (unless the
+    verification stamp vouches for the file as it is now)."""
     path = storage.join(directory, shard.file)
-    if verify:
+    if verify and not _vouched(directory, shard, _stat(path)):
         _check_checksum(path, shard)
     tokens = read_tokens(path)
     if len(tokens) != shard.tokens:
@@ -107,13 +178,24 @@ def read_shard(directory: str | Path, shard: ShardInfo, verify: bool = True) -> 
     return tokens
 
 
-def verify_shards(directory: str | Path, manifest: Manifest) -> None:
-    """Checks every shard's checksum; names the first corrupted or missing one."""
+def verify_shards(directory: str | Path, manifest: Manifest) -> int:
+    """Checks every shard's checksum, naming the first corrupted or missing one; shards a
+    stamp vouches for are not hashed again. Returns how many shards were hashed."""
+    stamp: dict[str, list] = {}
+    hashed = 0
     for split in manifest.splits.values():
         for shard in split.shards:
             path = storage.join(directory, shard.file)
-            if not storage.exists(path):
+            checked = time.time_ns()
+            stat = _stat(path)  # before hashing: a change while hashing shows up next time
+            if stat is None:
                 raise UserError(
                     f"shard {shard.file} listed in the manifest is missing from {directory}"
                 )
-            _check_checksum(path, shard)
+            if not _vouched(directory, shard, stat):
+                _check_checksum(path, shard)
+                hashed += 1
+            stamp[shard.file] = [shard.sha256, *stat, checked]
+    if hashed:
+        _write_stamp(directory, stamp)
+    return hashed

@@ -1,7 +1,7 @@
 """`prepare`: text -> token ids -> Parquet token shards + manifest, as a Ray Data job.
 
-Ray Data reads the inputs and tokenizes documents in parallel (an actor pool, so each
-tokenizer is built once); the driver consumes the tokenized documents in input order and
+Ray Data reads and tokenizes groups of inputs in parallel tasks (each worker process builds
+the tokenizer once); the driver consumes the tokenized documents in input order and
 writes the token stream into fixed-size shards, so memory stays bounded by a few shards.
 
 The output folder is named by a fingerprint of the inputs and settings: the same inputs give
@@ -33,7 +33,6 @@ from raytrain_lm.data.manifest import (
     Manifest,
     ShardInfo,
     SplitInfo,
-    file_sha256,
     read_tokens,
 )
 from raytrain_lm.data.sources import InputFile, expand_source, read_documents
@@ -51,7 +50,6 @@ from raytrain_lm.tokenization import (
 
 ROW_TOKENS = 16384  # Parquet row = one slice of the token stream; rows bound read granularity
 BPE_SAMPLE_BYTES = 20_000_000
-TOKENIZE_BATCH_DOCS = 256
 READ_TASK_BYTES = 32 * 2**20
 
 
@@ -65,17 +63,44 @@ class PreparedData:
 # ----------------------------------------------------------------------------- Ray Data UDFs
 
 
-def _read_documents(row: dict, text_field: str):
-    """flat_map: one input -> its documents (text, byte size, replaced-byte count)."""
-    item = InputFile(row["uri"], row["size"], row["mtime_ns"])
-    for doc in read_documents(item, text_field):
-        if not doc.text.strip():
-            continue  # blank documents would only add end-of-text tokens
-        yield {
-            "text": doc.text,
-            "bytes": len(doc.text.encode("utf-8")),
-            "replaced": doc.replaced_bytes,
+def _read_group(batch: pa.Table, text_field: str):
+    """map_batches: a group of inputs -> their documents in order (text, byte size,
+    replaced-byte count).
+
+    A generator, like every UDF here: Ray Data then re-raises a task's UserError (an input
+    that cannot be read, a JSON line without the text field) as a UserError on the driver,
+    where a plain function's would arrive wrapped in UserCodeException.
+    """
+    texts, sizes, replaced = [], [], []
+    for uri, size, mtime_ns in zip(
+        batch.column("uri").to_pylist(),
+        batch.column("size").to_pylist(),
+        batch.column("mtime_ns").to_pylist(),
+        strict=True,
+    ):
+        for doc in read_documents(InputFile(uri, size, mtime_ns), text_field):
+            if not doc.text.strip():
+                continue  # blank documents would only add end-of-text tokens
+            texts.append(doc.text)
+            sizes.append(len(doc.text.encode("utf-8")))
+            replaced.append(doc.replaced_bytes)
+    yield pa.table(
+        {
+            "text": pa.array(texts, type=pa.large_string()),
+            "bytes": pa.array(sizes, type=pa.int64()),
+            "replaced": pa.array(replaced, type=pa.int64()),
         }
+    )
+
+
+def _read_and_tokenize(batch: pa.Table, text_field: str, tokenizer_json: str):
+    """map_batches: a group of inputs -> one row per document with its token ids.
+
+    Reading and tokenizing in the same task keeps the text inside the worker: only the
+    (2-4x smaller) token ids cross the object store, and there is one operator to schedule.
+    """
+    for documents in _read_group(batch, text_field):
+        yield _tokenize(documents, tokenizer_json)
 
 
 @functools.lru_cache(maxsize=2)
@@ -85,7 +110,7 @@ def _tokenizer_for(tokenizer_json: str) -> Tokenizer:
 
 
 def _tokenize(batch: pa.Table, tokenizer_json: str) -> pa.Table:
-    """map_batches: documents -> token ids, each document followed by end-of-text."""
+    """Documents -> token ids, each document followed by end-of-text."""
     tokenizer = _tokenizer_for(tokenizer_json)
     dtype = token_dtype(tokenizer.vocab_size)
     texts = batch.column("text").to_pylist()
@@ -139,7 +164,8 @@ def _fingerprint(cfg: DataConfig, inputs: list[InputFile]) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _documents(inputs: list[InputFile], text_field: str):
+def _documents(inputs: list[InputFile], udf, **fn_kwargs):
+    """`udf` mapped over groups of inputs, in input order, as a Ray Data dataset."""
     import ray.data
 
     context = ray.data.DataContext.get_current()
@@ -151,15 +177,16 @@ def _documents(inputs: list[InputFile], text_field: str):
     total = sum(i.size for i in inputs)
     cpus = int(ray.cluster_resources().get("CPU", 1))
     blocks = min(len(items), max(4 * cpus, total // READ_TASK_BYTES + 1))
-    return ray.data.from_items(items, override_num_blocks=max(1, blocks)).flat_map(
-        _read_documents, fn_kwargs={"text_field": text_field}
+    return ray.data.from_items(items, override_num_blocks=max(1, blocks)).map_batches(
+        udf, fn_kwargs=fn_kwargs, batch_size=None, batch_format="pyarrow"
     )
 
 
 def _capped_texts(inputs: list[InputFile], cfg: DataConfig, limit: int | None):
     """Document texts in order while their bytes fit under `limit` (for alphabet/BPE sample)."""
     total = 0
-    for batch in _documents(inputs, cfg.text_field).iter_batches(batch_format="pyarrow"):
+    documents = _documents(inputs, _read_group, text_field=cfg.text_field)
+    for batch in documents.iter_batches(batch_format="pyarrow", batch_size=None):
         for text, size in zip(
             batch.column("text").to_pylist(), batch.column("bytes").to_pylist(), strict=True
         ):
@@ -199,7 +226,7 @@ class _ShardWriter:
         self.directory, self.shard_tokens, self.dtype = directory, shard_tokens, dtype
         self._buffer: list[np.ndarray] = []
         self._buffered = 0
-        self.shards: list[tuple[str, int]] = []  # (file, tokens) in stream order
+        self.shards: list[tuple[str, int, ShardInfo]] = []  # (file, tokens, info) in order
 
     def append(self, tokens: np.ndarray) -> None:
         self._buffer.append(tokens)
@@ -217,25 +244,32 @@ class _ShardWriter:
 
     def _write(self, tokens: np.ndarray) -> None:
         file = f"stream-{len(self.shards):05d}.parquet"
-        write_shard(self.directory / file, tokens)
-        self.shards.append((file, len(tokens)))
+        self.shards.append((file, len(tokens), write_shard(self.directory / file, tokens)))
 
 
-def write_shard(path: Path, tokens: np.ndarray) -> None:
+def write_shard(path: Path, tokens: np.ndarray) -> ShardInfo:
+    """Writes one shard; its checksum is taken from the bytes written, not read back."""
     offsets = np.unique(np.append(np.arange(0, len(tokens), ROW_TOKENS), len(tokens))).astype(
         np.int32
     )
     column = pa.ListArray.from_arrays(pa.array(offsets), pa.array(tokens))
-    pq.write_table(pa.table({TOKENS_COLUMN: column}), path, compression="zstd")
+    sink = pa.BufferOutputStream()
+    pq.write_table(pa.table({TOKENS_COLUMN: column}), sink, compression="zstd")
+    data = sink.getvalue()
+    with open(path, "wb") as f:
+        f.write(data)
+    return ShardInfo(path.name, len(tokens), len(offsets) - 1, hashlib.sha256(data).hexdigest())
 
 
-def _split(staging: Path, shards: list[tuple[str, int]], n_val: int) -> dict[str, SplitInfo]:
+def _split(
+    staging: Path, shards: list[tuple[str, int, ShardInfo]], n_val: int
+) -> dict[str, SplitInfo]:
     """Renames the stream shards into train (head) and val (tail, the last n_val tokens)."""
-    total = sum(n for _, n in shards)
+    total = sum(n for _, n, _ in shards)
     boundary = total - n_val
     splits = {"train": SplitInfo(), "val": SplitInfo()}
     start = 0
-    for file, count in shards:
+    for file, count, info in shards:
         end = start + count
         pieces: list[tuple[str, np.ndarray | None, int]] = []
         if end <= boundary:
@@ -251,16 +285,10 @@ def _split(staging: Path, shards: list[tuple[str, int]], n_val: int) -> dict[str
             name = f"{split_name}-{len(split.shards):05d}.parquet"
             if tokens is None:
                 os.rename(staging / file, staging / name)
+                piece = ShardInfo(name, n, info.rows, info.sha256)
             else:
-                write_shard(staging / name, tokens)
-            split.shards.append(
-                ShardInfo(
-                    name,
-                    n,
-                    pq.ParquetFile(staging / name).metadata.num_rows,
-                    file_sha256(staging / name),
-                )
-            )
+                piece = write_shard(staging / name, tokens)
+            split.shards.append(piece)
             split.tokens += n
         if (staging / file).exists():
             (staging / file).unlink()
@@ -316,11 +344,8 @@ def _run(
     tokenizer = _build_tokenizer(cfg, inputs)
     dtype = token_dtype(tokenizer.vocab_size)
     writer = _ShardWriter(staging, cfg.shard_tokens, dtype)
-    documents = _documents(inputs, cfg.text_field).map_batches(
-        _tokenize,
-        fn_kwargs={"tokenizer_json": tokenizer.to_json()},
-        batch_size=TOKENIZE_BATCH_DOCS,
-        batch_format="pyarrow",
+    documents = _documents(
+        inputs, _read_and_tokenize, text_field=cfg.text_field, tokenizer_json=tokenizer.to_json()
     )
     # Progress goes to stdout so that stderr carries nothing but problems.
     bar = tqdm(
@@ -360,7 +385,7 @@ def _run(
             break
     writer.close()
     bar.close()
-    total = sum(n for _, n in writer.shards)
+    total = sum(n for _, n, _ in writer.shards)
     if docs == 0:
         raise UserError(f"empty corpus: no text in {', '.join(cfg.sources)}")
     n_val = max(int(total * cfg.val_fraction), 2)

@@ -123,8 +123,9 @@ def train(
         ensure_ray(cfg.scaling)  # prepare runs as a Ray Data job; size Ray for training first
     prepared = prepare(cfg.data)
     manifest = prepared.manifest
-    if not prepared.created:
-        verify_shards(prepared.directory, manifest)  # refuse corrupted data before starting
+    # Refuse corrupted data before starting. Shards the verification stamp vouches for are not
+    # hashed again; after a fresh prepare this hashes each once, so workers need not.
+    verify_shards(prepared.directory, manifest)
     verb = "prepared" if prepared.created else "using prepared"
     print(
         f"[raytrain-lm] {verb} data {prepared.directory}: {manifest.splits['train'].tokens:,} train "
