@@ -38,4 +38,31 @@ def train(
     return summary
 
 
-__all__ = ["train", "load_config", "RunConfig"]
+def sweep(sweep_file: str | Path, overrides: list[str] | None = None) -> dict[str, Any]:
+    """Runs a hyperparameter sweep, or resumes it, and returns its summary.
+
+    `sweep_file` is a sweep YAML (a base run config plus a search space, see docs/sweeps.md);
+    `overrides` are `section.key=value` strings applied to the base config. Each trial is a
+    full Ray Train run under `<output_dir>/<sweep name>/trials/`, logged as a nested MLflow
+    run under one parent run for the sweep. Running the same sweep again restores it:
+    unfinished and errored trials continue from their checkpoints, finished and early-stopped
+    ones are not rerun. The summary holds the trials ranked by val loss (`ranked`), the report
+    PNG path and `interrupted` (True when the driver was stopped before the sweep ended).
+    """
+    from raytrain_lm.sweeps import load_sweep, run_sweep
+
+    return run_sweep(load_sweep(sweep_file, overrides))
+
+
+def sweep_report(
+    name: str, output_dir: str | Path = "runs", out: str | Path | None = None
+) -> dict[str, Any]:
+    """Ranks the trials of sweep `name` by val loss from MLflow; writes a PNG (val loss against
+    each swept key, curves of the best trials) to `out` (default: the sweep's report.png).
+    Returns `rows`, the printable `table` and the `png` path."""
+    from raytrain_lm.sweeps_report import report
+
+    return report(name, output_dir, out)
+
+
+__all__ = ["train", "sweep", "sweep_report", "load_config", "RunConfig"]

@@ -1,9 +1,20 @@
 """Experiment tracking behind one small interface. MLflow is the implementation; only the
-driver and rank 0 ever hold a live tracker, every other rank gets `NullTracker`."""
+driver and rank 0 ever hold a live tracker, every other rank gets `NullTracker`.
+
+A tracking server that goes away must not end a multi-hour run: `MLflowTracker` sends from a
+background thread, keeps whatever could not be sent, retries with backoff, warns once per
+outage, and spools unsent metrics to local disk so the driver's tracker for the same run can
+send them after the worker that logged them is gone.
+"""
 
 from __future__ import annotations
 
+import json
 import os
+import re
+import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, Protocol
@@ -11,6 +22,21 @@ from typing import Any, Protocol
 from raytrain_lm.config import TrackingConfig
 
 DEFAULT_DB = "mlflow.db"
+REDACTED = "***"
+SPOOL_ENV = "RAYTRAIN_LM_TRACKING_SPOOL"
+# Words that make a key look like it holds a credential. Whole words only: `data.shard_tokens`
+# and `data.tokenizer.kind` are settings, `hf_token` and `aws_secret_access_key` are secrets.
+_SECRET_WORDS = {
+    "token",
+    "secret",
+    "password",
+    "passwd",
+    "key",
+    "apikey",
+    "credential",
+    "credentials",
+    "auth",
+}
 
 
 class Tracker(Protocol):
@@ -51,39 +77,110 @@ def resolve_tracking_uri(cfg: TrackingConfig, base_dir: str | Path = ".") -> str
     return f"sqlite:///{Path(base_dir).resolve() / DEFAULT_DB}"
 
 
+def looks_secret(key: str) -> bool:
+    """True for keys such as `hf_token`, `db.password`, `aws_secret_access_key`, `apiKey`."""
+    last = re.split(r"[./]", key)[-1]
+    words = re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", last).lower()
+    return any(word in _SECRET_WORDS for word in re.split(r"[_\-\s]+", words))
+
+
+def redact(values: dict[str, Any]) -> dict[str, Any]:
+    """The same mapping with the values of secret-looking keys replaced."""
+    return {
+        k: (REDACTED if looks_secret(k) and v not in (None, "") else v) for k, v in values.items()
+    }
+
+
+def _spool_dir() -> Path:
+    return Path(os.environ.get(SPOOL_ENV) or Path(tempfile.gettempdir()) / "raytrain-lm-spool")
+
+
+def _permanent(exc: Exception) -> bool:
+    """Errors that retrying cannot fix (a deleted run, a malformed value): drop, don't loop."""
+    from mlflow.exceptions import MlflowException
+
+    return isinstance(exc, MlflowException) and exc.get_http_status_code() in (400, 404)
+
+
 class MLflowTracker:
     """Buffers per-step metrics and writes them in batches so logging never stalls a step."""
 
-    def __init__(self, uri: str, run_id: str, flush_every: int = 50):
+    def __init__(self, uri: str, run_id: str, flush_every: int = 50, flush_wait_s: float = 10.0):
         from mlflow.tracking import MlflowClient
 
+        if uri.startswith(("http://", "https://")):
+            # We retry on our own schedule from a background thread; MLflow's default of 7
+            # retries with exponential backoff would hold each attempt for minutes.
+            os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+            os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
         self.client = MlflowClient(tracking_uri=uri)
         self.uri, self.run_id = uri, run_id
-        self._pending: list = []
-        self._in_flight: list = []  # asynchronous MLflow writes not yet confirmed
         self._flush_every = flush_every
+        self._flush_wait_s = flush_wait_s
+        self._pending: list = []  # metrics not yet stored, oldest first
+        self._artifacts: list[tuple[str, str | None]] = []  # artifacts that failed to upload
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._attempted = threading.Condition(self._lock)
+        self._attempts = 0
+        self._down_since: float | None = None
+        self._retry_at = 0.0
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self._spool = _spool_dir() / f"{run_id}.{os.getpid()}.jsonl"
 
     @classmethod
-    def start(cls, uri: str, experiment: str, run_name: str, run_id: str | None) -> MLflowTracker:
-        """Opens `run_id` again when given (a resumed run), else creates a new MLflow run."""
+    def start(
+        cls,
+        uri: str,
+        experiment: str,
+        run_name: str,
+        run_id: str | None,
+        parent_run_id: str | None = None,
+        tags: dict[str, Any] | None = None,
+    ) -> MLflowTracker:
+        """Opens `run_id` again when given (a resumed run), else the child of `parent_run_id`
+        named `run_name` if one exists (a trial restarted before it recorded its run id), else
+        creates a new MLflow run, nested under `parent_run_id` when given."""
         from mlflow.tracking import MlflowClient
 
         client = MlflowClient(tracking_uri=uri)
+        tracker = None
         if run_id is not None:
             try:
                 client.update_run(run_id, status="RUNNING")
-                return cls(uri, run_id)
+                tracker = cls(uri, run_id)
             except Exception:  # the store was reset: start afresh rather than fail the run
                 pass
-        found = client.get_experiment_by_name(experiment)
-        experiment_id = found.experiment_id if found else client.create_experiment(experiment)
-        run = client.create_run(experiment_id, run_name=run_name)
-        return cls(uri, run.info.run_id)
+        if tracker is None:
+            found = client.get_experiment_by_name(experiment)
+            experiment_id = found.experiment_id if found else client.create_experiment(experiment)
+            existing = []
+            if parent_run_id is not None:
+                existing = client.search_runs(
+                    [experiment_id],
+                    f"tags.`mlflow.parentRunId` = '{parent_run_id}' "
+                    f"and attributes.run_name = '{run_name}'",
+                    max_results=1,
+                )
+            if existing:
+                client.update_run(existing[0].info.run_id, status="RUNNING")
+                tracker = cls(uri, existing[0].info.run_id)
+            else:
+                nested = {"mlflow.parentRunId": parent_run_id} if parent_run_id else {}
+                run = client.create_run(experiment_id, run_name=run_name, tags=nested)
+                tracker = cls(uri, run.info.run_id)
+        if tags:
+            tracker.set_tags(tags)
+        tracker._adopt_spools()
+        return tracker
+
+    # ------------------------------------------------------------------ params, tags, artifacts
 
     def log_params(self, params: dict[str, Any]) -> None:
         from mlflow.entities import Param
 
-        items = [Param(k, str(v)[:6000]) for k, v in params.items()]
+        items = [Param(k, str(v)[:6000]) for k, v in redact(params).items()]
         for i in range(0, len(items), 100):
             try:
                 self.client.log_batch(self.run_id, params=items[i : i + 100])
@@ -91,31 +188,192 @@ class MLflowTracker:
                 if "already logged" not in str(exc) and "Changing param" not in str(exc):
                     raise
 
+    def set_tags(self, tags: dict[str, Any]) -> None:
+        from mlflow.entities import RunTag
+
+        items = [RunTag(k, str(v)[:5000]) for k, v in redact(tags).items() if v is not None]
+        if items:
+            self.client.log_batch(self.run_id, tags=items)
+
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        """Uploads now, or keeps the file's path and uploads when the store is back."""
+        try:
+            self.client.log_artifact(self.run_id, str(path), artifact_path)
+        except Exception as exc:
+            if _permanent(exc):
+                raise
+            self._note_failure(exc)
+            with self._lock:
+                self._artifacts.append((str(path), artifact_path))
+            self._ensure_thread()
+
+    # ------------------------------------------------------------------------------ metrics
+
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        self._pending.extend(Metric(k, float(v), now, step) for k, v in metrics.items())
-        if len(self._pending) >= self._flush_every * max(1, len(metrics)):
-            self._send(synchronous=False)  # written by MLflow's background thread
-
-    def _send(self, synchronous: bool) -> None:
-        while self._pending:
-            chunk, self._pending = self._pending[:1000], self._pending[1000:]
-            operation = self.client.log_batch(self.run_id, metrics=chunk, synchronous=synchronous)
-            if operation is not None:
-                self._in_flight.append(operation)
+        with self._lock:
+            self._pending.extend(Metric(k, float(v), now, step) for k, v in metrics.items())
+            due = len(self._pending) >= self._flush_every * max(1, len(metrics))
+        if due:
+            self._ensure_thread()
+            self._wake.set()  # sent by our background thread: a step never waits on MLflow
 
     def flush(self) -> None:
-        """Blocks until every metric logged so far is stored."""
-        self._send(synchronous=True)
-        for operation in self._in_flight:
-            operation.wait()
-        self._in_flight.clear()
+        """Blocks until every metric logged so far is stored, or until one attempt to store
+        them failed (the store is down): they then stay buffered, spooled to disk, and are
+        retried in the background."""
+        self._attempt_and_wait(self._flush_wait_s)
 
-    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
-        self.client.log_artifact(self.run_id, str(path), artifact_path)
+    def finish(self, status: str = "FINISHED", wait_s: float = 120.0) -> None:
+        """Sends everything (waiting up to `wait_s` for a store that is down), then ends the
+        run. A store still down after that gets a warning, not an exception: the metrics stay
+        spooled on disk and are sent by the next tracker opened for this run."""
+        self._adopt_spools()
+        deadline = time.monotonic() + wait_s
+        while True:
+            self._attempt_and_wait(max(1.0, deadline - time.monotonic()))
+            with self._lock:
+                left = len(self._pending) + len(self._artifacts)
+            if not left:
+                try:
+                    self.client.set_terminated(self.run_id, status=status)
+                    break
+                except Exception as exc:
+                    self._note_failure(exc)
+            if time.monotonic() >= deadline:
+                print(
+                    f"[raytrain-lm] warning: tracking store {self.uri} still unreachable; "
+                    f"{left} metrics/artifacts of run {self.run_id} kept in {self._spool.parent}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                break
+            time.sleep(min(2.0, max(0.0, deadline - time.monotonic())))
+        self._closed = True
+        self._wake.set()
 
-    def finish(self, status: str = "FINISHED") -> None:
-        self.flush()
-        self.client.set_terminated(self.run_id, status=status)
+    # ------------------------------------------------------------------------------ internals
+
+    def _ensure_thread(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(
+                target=self._run, name=f"mlflow-{self.run_id[:8]}", daemon=True
+            )
+            self._thread.start()
+
+    def _attempt_and_wait(self, timeout: float) -> None:
+        self._ensure_thread()
+        with self._lock:
+            if not self._pending and not self._artifacts:
+                return
+            target = self._attempts + 1
+            self._retry_at = 0.0  # an explicit flush tries now, backoff or not
+        self._wake.set()
+        with self._attempted:
+            self._attempted.wait_for(lambda: self._attempts >= target, timeout=timeout)
+
+    def _run(self) -> None:
+        while not self._closed:
+            self._wake.wait(timeout=5.0)
+            self._wake.clear()
+            with self._lock:
+                idle = not self._pending and not self._artifacts
+                waiting = time.monotonic() < self._retry_at
+            if idle or waiting:
+                continue
+            self._send_all()
+
+    def _send_all(self) -> None:
+        sent, error = 0, None
+        try:
+            while True:
+                with self._lock:
+                    chunk = self._pending[:1000]
+                if not chunk:
+                    break
+                try:
+                    self.client.log_batch(self.run_id, metrics=chunk, synchronous=True)
+                except Exception as exc:
+                    if not _permanent(exc):
+                        raise
+                    print(f"[raytrain-lm] warning: dropped metrics MLflow refused: {exc}")
+                with self._lock:
+                    del self._pending[: len(chunk)]
+                sent += len(chunk)
+            while True:
+                with self._lock:
+                    if not self._artifacts:
+                        break
+                    path, artifact_path = self._artifacts[0]
+                if Path(path).exists():
+                    self.client.log_artifact(self.run_id, path, artifact_path)
+                with self._lock:
+                    self._artifacts.pop(0)
+        except Exception as exc:
+            error = exc
+        if error is None:
+            if self._down_since is not None:
+                print(
+                    f"[raytrain-lm] tracking store {self.uri} reachable again after "
+                    f"{time.monotonic() - self._down_since:.0f} s; sent {sent} buffered metrics",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                self._down_since = None
+            self._spool.unlink(missing_ok=True)
+        else:
+            self._note_failure(error)
+            self._write_spool()
+        with self._attempted:
+            self._attempts += 1
+            self._attempted.notify_all()
+
+    def _note_failure(self, exc: Exception) -> None:
+        now = time.monotonic()
+        if self._down_since is None:
+            self._down_since = now
+            print(
+                f"[raytrain-lm] warning: tracking store {self.uri} unreachable "
+                f"({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}); "
+                "training continues, metrics are buffered and retried",
+                file=sys.stderr,
+                flush=True,
+            )
+        outage = now - self._down_since
+        self._retry_at = now + min(30.0, 2.0 + outage / 4)
+
+    def _write_spool(self) -> None:
+        with self._lock:
+            rows = [[m.key, m.value, m.timestamp, m.step] for m in self._pending]
+        if not rows:
+            return
+        try:
+            self._spool.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self._spool.with_suffix(".tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+            tmp.replace(self._spool)
+        except OSError:
+            pass  # a full or read-only disk: the metrics still sit in memory
+
+    def _adopt_spools(self) -> None:
+        """Takes over metrics spooled by earlier processes of this run (a worker that ended
+        while the store was down). Only the driver calls this, while no worker is logging."""
+        from mlflow.entities import Metric
+
+        folder = _spool_dir()
+        if not folder.is_dir():
+            return
+        for file in sorted(folder.glob(f"{self.run_id}.*.jsonl")):
+            if file == self._spool:
+                continue
+            try:
+                rows = [json.loads(line) for line in file.read_text().splitlines() if line]
+            except (OSError, ValueError):
+                continue
+            with self._lock:
+                self._pending[:0] = [Metric(k, float(v), int(t), int(s)) for k, v, t, s in rows]
+            file.unlink(missing_ok=True)
+        if self._pending:
+            self._write_spool()

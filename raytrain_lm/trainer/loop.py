@@ -33,6 +33,7 @@ from raytrain_lm.trainer.checkpoint import (
     latest_complete_checkpoint,
     load_checkpoint,
     prune_checkpoints,
+    read_state,
     save_checkpoint,
 )
 from raytrain_lm.trainer.goodput import (
@@ -112,19 +113,28 @@ def _node_accelerator_type() -> str:
 
 
 def _restore(checkpoint, run_dir, model, optimizer, device, expect_checkpoint: bool) -> TrainState:
-    """The offered checkpoint if complete, else the newest complete one in the run directory."""
+    """Loads the newest complete checkpoint: the one Ray Train offers, or a newer complete one
+    in the run directory (written and uploaded, but the group failed before Ray registered
+    it; every rank had finished that step's all-reduce, so it is as valid as any other)."""
+    offered = None
     if checkpoint is not None:
         with checkpoint.as_directory() as directory:
             if is_complete(directory):
-                return load_checkpoint(directory, model, optimizer, device)
-            print(f"[raytrain-lm] checkpoint {directory} is incomplete; looking for an older one")
-    fallback = latest_complete_checkpoint(run_dir) if run_dir else None
-    if fallback is not None and (checkpoint is not None or expect_checkpoint):
-        return load_checkpoint(fallback, model, optimizer, device)
-    if checkpoint is not None or expect_checkpoint:
+                offered = (read_state(directory).step, directory)
+            else:
+                print(f"[raytrain-lm] checkpoint {directory} is incomplete; not loading it")
+    on_disk = latest_complete_checkpoint(run_dir) if run_dir else None
+    if on_disk is not None and (offered is None or read_state(on_disk).step > offered[0]):
+        if offered is not None or checkpoint is not None:
+            print(f"[raytrain-lm] restoring the newer complete checkpoint {on_disk.name}")
+        return load_checkpoint(on_disk, model, optimizer, device)
+    if offered is not None:
+        with checkpoint.as_directory() as directory:
+            return load_checkpoint(directory, model, optimizer, device)
+    if expect_checkpoint:
         raise RuntimeError(
-            "this run has checkpoints but none is complete or none was offered to resume from; "
-            "refusing to start from step 0 (remove the run directory to start afresh)"
+            "this run has checkpoints but none is complete; refusing to start from step 0 "
+            "(remove the run directory to start afresh)"
         )
     return TrainState()
 

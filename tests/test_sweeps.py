@@ -1,0 +1,320 @@
+"""Sweeps: Tune launching tiny Ray Train runs, tracked in MLflow (a real server and sqlite)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from mlflow.tracking import MlflowClient
+from mlflow_server import MlflowServer
+
+import raytrain_lm
+from raytrain_lm import cli
+from raytrain_lm.config import _set_dotted, parse_override
+from raytrain_lm.errors import UserError
+from raytrain_lm.sweeps import SWEEP_FILE, TAG_TRIAL, TRIALS_DIR, TrialRuns, load_sweep
+from raytrain_lm.trainer.goodput import read_events
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _tree(overrides: list[str]) -> dict:
+    tree: dict = {}
+    for text in overrides:
+        keys, value = parse_override(text)
+        _set_dotted(tree, keys, value)
+    return tree
+
+
+def _write_sweep(folder: Path, overrides: list[str], **top) -> Path:
+    """A sweep over the tiny test model: 1 worker per trial, a report at every 2 steps."""
+    config = _tree(
+        [
+            "scaling.num_workers=1",
+            "training.max_steps=6",
+            "training.eval_every=2",
+            "checkpoint.every_steps=2",
+            "fault.max_failures=2",
+            *overrides,  # a test's own settings win
+        ]
+    )
+    spec = {
+        "config": config,
+        "space": {"optim.lr": {"loguniform": [1e-3, 1e-2]}, "model.n_embd": {"choice": [32, 48]}},
+        "max_concurrent_trials": 2,
+        **top,
+    }
+    path = folder / f"{top.get('name', 'sweep')}.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def _children(uri: str, record_dir: Path) -> tuple[MlflowClient, list, object]:
+    record = json.loads((record_dir / SWEEP_FILE).read_text())
+    runs = TrialRuns(record["tracking_uri"], record["parent_run_id"])
+    client = MlflowClient(tracking_uri=uri)
+    return client, runs.children(), client.get_run(record["parent_run_id"])
+
+
+def _steps(client: MlflowClient, run_id: str, key: str = "train/loss") -> list[int]:
+    return sorted({m.step for m in client.get_metric_history(run_id, key)})
+
+
+# ------------------------------------------------------------------ the file, without Ray
+
+
+@pytest.mark.parametrize(
+    "path", sorted((ROOT / "experiments" / "sweeps").glob("*.yaml")), ids=lambda p: p.name
+)
+def test_every_sweep_file_parses(path):
+    sweep = load_sweep(path)
+    assert sweep.spec.space and sweep.name
+    assert sweep.base["checkpoint"]["every_steps"] % sweep.base["training"]["eval_every"] == 0
+
+
+@pytest.mark.parametrize(
+    ("space", "message"),
+    [
+        (
+            {"optim.lrr": {"uniform": [0.1, 0.2]}},
+            "unknown key 'optim.lrr'; did you mean 'optim.lr'",
+        ),
+        ({"modle.n_embd": {"choice": [32]}}, "unknown key 'modle.n_embd'; did you mean 'model'"),
+        ({"optim": {"choice": [1]}}, "'optim' is a section"),
+        ({"optim.lr": {"between": [1, 2]}}, "expected one of choice, grid"),
+        ({"optim.lr": {"loguniform": [0, 1]}}, "loguniform needs low > 0"),
+        ({"optim.lr": {"uniform": [2, 1]}}, "low < high"),
+        ({"model.n_embd": {"choice": [32, 33]}}, "must be divisible by model.n_head"),
+        ({"training.precision": {"grid": ["fp32", "fp64"]}}, "'training.precision'"),
+    ],
+)
+def test_bad_search_spaces_are_refused_naming_the_key(tmp_path, space, message):
+    path = _write_sweep(tmp_path, ["model.n_head=2"], space=space)
+    with pytest.raises(UserError, match=message.replace("(", r"\(").replace(".", r"\.")):
+        load_sweep(path)
+
+
+def test_sweep_file_typos_get_did_you_mean_and_exit_2(tmp_path):
+    path = _write_sweep(tmp_path, [], scheduler={"kind": "asha", "grace_periode": 2})
+    with pytest.raises(UserError, match="did you mean 'scheduler.grace_period'"):
+        load_sweep(path)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({"spaces": {}, "space": {"optim.lr": {"choice": [1e-3]}}}))
+    result = subprocess.run(
+        [sys.executable, "-m", "raytrain_lm.cli", "sweep", str(bad)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"raytrain-lm: error: {bad}: unknown key 'spaces'; did you mean 'space'?"
+    ]
+
+
+# ------------------------------------------------------------------ sweeps on the session Ray
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):
+    server = MlflowServer(tmp_path_factory.mktemp("mlflow-server"))
+    server.start()
+    yield server
+    server.stop()
+
+
+def test_asha_sweep_on_a_tracking_server(ray_session, tiny_overrides, tmp_path, mlflow_server):
+    """4 trials, ASHA: each trial is one child run of the sweep's run, complete."""
+    overrides = [o for o in tiny_overrides if not o.startswith("tracking.uri=")]
+    path = _write_sweep(
+        tmp_path,
+        [*overrides, f"tracking.uri={mlflow_server.uri}", "tracking.experiment=sweeps"],
+        name="asha4",
+        num_samples=4,
+        seed=0,
+    )
+    summary = raytrain_lm.sweep(path)
+    assert summary["trials"] == 4 and summary["errored"] == 0 and not summary["interrupted"]
+
+    client, children, parent = _children(mlflow_server.uri, Path(summary["directory"]))
+    assert parent.info.status == "FINISHED" and parent.data.tags["raytrain_lm.sweep"] == "asha4"
+    assert "best/val_loss" in parent.data.metrics
+    assert "report.png" in {a.path for a in client.list_artifacts(parent.info.run_id)}
+    trial_ids = [r.data.tags[TAG_TRIAL] for r in children]
+    assert len(children) == 4 and len(set(trial_ids)) == 4  # each trial exactly once
+    all_runs = client.search_runs([parent.info.experiment_id], max_results=100)
+    assert len(all_runs) == 5  # the parent and its 4 children, nothing else
+    for run in children:
+        assert run.info.status == "FINISHED", run.info
+        assert run.info.run_name == f"asha4-{run.data.tags[TAG_TRIAL]}"
+        tags, params = run.data.tags, run.data.params
+        assert tags["mlflow.parentRunId"] == parent.info.run_id
+        assert tags["accelerator_type"] == "cpu" and tags["spot"] == "false"
+        assert tags["ray.job_id"] and len(tags["mlflow.source.git.commit"]) == 40
+        assert 1e-3 <= float(params["optim.lr"]) <= 1e-2
+        assert params["model.n_embd"] in ("32", "48") and params["model.n_layer"] == "2"
+        last = _steps(client, run.info.run_id)[-1]
+        assert _steps(client, run.info.run_id) == list(range(1, last + 1))  # history, no gaps
+        assert [s for s in _steps(client, run.info.run_id, "val/loss")] == list(
+            range(2, last + 1, 2)
+        )
+        artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+        assert {"config.yaml", "tokenizer.json", "loss_curve.png"} <= artifacts, artifacts
+        stopped_early = tags.get("raytrain_lm.stopped_early") == "true"
+        assert stopped_early or last == 6
+        if not stopped_early:
+            final = {a.path for a in client.list_artifacts(run.info.run_id, "final")}
+            assert "final/model.safetensors" in final
+    ranked = [r["val_loss"] for r in summary["ranked"]]
+    assert ranked == sorted(ranked) and len(ranked) == 4
+
+    out = tmp_path / "report.png"
+    code = cli.run(
+        ["sweep", "report", "asha4", "--output-dir", str(tmp_path / "runs"), "--out", str(out)]
+    )
+    assert code == 0 and out.stat().st_size > 10_000
+
+
+def _starts(trials_dir: Path, run_name: str) -> int:
+    file = trials_dir / f"{run_name}.starts"
+    return len(file.read_text().splitlines()) if file.is_file() else 0
+
+
+def test_interrupted_sweep_restores_without_duplicates(ray_session, tiny_overrides, tmp_path):
+    """SIGINT the sweep driver while its second trial trains, then run the sweep again:
+    finished trials are not rerun, the interrupted one resumes from its checkpoint, and every
+    trial has exactly one MLflow run, none left RUNNING."""
+    import ray
+
+    path = _write_sweep(
+        tmp_path,
+        [*tiny_overrides, "training.max_steps=8"],
+        name="interrupted",
+        num_samples=3,
+        max_concurrent_trials=1,
+        scheduler="fifo",
+    )
+    uri = next(o.split("=", 1)[1] for o in tiny_overrides if o.startswith("tracking.uri="))
+    env = {
+        **os.environ,
+        "RAY_ADDRESS": ray.get_runtime_context().gcs_address,
+        "RAYTRAIN_LM_FAULT": "slow-steps:seconds=0.4",  # time to interrupt mid-trial
+    }
+    driver = subprocess.Popen(
+        [sys.executable, "-m", "raytrain_lm.cli", "sweep", str(path)],
+        env=env,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    sweep_dir = tmp_path / "runs" / "interrupted"
+    trials_dir = sweep_dir / TRIALS_DIR
+    finished_before: dict[str, int] = {}
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            assert driver.poll() is None, driver.stdout.read().decode()[-4000:]
+            if (sweep_dir / SWEEP_FILE).is_file() and json.loads(
+                (sweep_dir / SWEEP_FILE).read_text()
+            ).get("parent_run_id"):
+                client, children, _ = _children(uri, sweep_dir)
+                done = {
+                    r.info.run_name: r.info.end_time
+                    for r in children
+                    if r.info.status == "FINISHED"
+                }
+                running = [
+                    r
+                    for r in children
+                    if r.info.status == "RUNNING"
+                    and list((trials_dir / r.info.run_name).glob("checkpoint_*/COMPLETE*"))
+                ]
+                if done and running:
+                    finished_before = done
+                    break
+            time.sleep(1)
+        assert finished_before, "never saw a finished trial next to a running one"
+        driver.send_signal(signal.SIGINT)
+        output = driver.communicate(timeout=180)[0].decode()
+    finally:
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)
+            driver.wait()
+    assert driver.returncode == 130, output[-4000:]
+    assert "run the same command again to resume" in output
+
+    _, children, _ = _children(uri, sweep_dir)
+    assert not [r for r in children if r.info.status == "RUNNING"]  # interrupted runs: KILLED
+
+    summary = raytrain_lm.sweep(path)  # the same command again: restores
+    assert summary["trials"] == 3 and not summary["interrupted"] and summary["errored"] == 0
+    client, children, parent = _children(uri, sweep_dir)
+    assert parent.info.status == "FINISHED"
+    assert len(children) == 3 and len({r.data.tags[TAG_TRIAL] for r in children}) == 3
+    assert [r.info.status for r in children] == ["FINISHED"] * 3
+    resumed = 0
+    for run in children:
+        name = run.info.run_name
+        assert _steps(client, run.info.run_id) == list(range(1, 9))
+        if name in finished_before:
+            assert _starts(trials_dir, name) == 1, name  # not rerun
+            assert run.info.end_time == finished_before[name]
+        else:
+            events = read_events(trials_dir / name)
+            restored = [e["restored_step"] for e in events if e["event"] == "segment_start"]
+            if _starts(trials_dir, name) == 2:
+                assert restored[0] == 0 and restored[-1] > 0, restored  # from its checkpoint
+                resumed += 1
+    assert resumed == 1
+
+
+def test_trial_whose_worker_dies_resumes(ray_session, tiny_overrides, tmp_path, monkeypatch):
+    """A worker killed half-way through writing step 10's checkpoint: Ray Train restarts the
+    trial's worker group from a checkpoint it had registered and the trial finishes, with one
+    MLflow run and the full history."""
+    monkeypatch.setenv("RAYTRAIN_LM_FAULT", "kill-in-checkpoint:step=10:rank=0")
+    path = _write_sweep(
+        tmp_path,
+        # the controller learns of checkpoints when it polls: poll often, report often
+        [*tiny_overrides, "training.max_steps=12", "fault.health_check_s=0.2"],
+        name="killed",
+        space={"optim.lr": {"choice": [3e-3]}},
+        scheduler="fifo",
+    )
+    summary = raytrain_lm.sweep(path)
+    assert summary["trials"] == 1 and summary["errored"] == 0
+    uri = next(o.split("=", 1)[1] for o in tiny_overrides if o.startswith("tracking.uri="))
+    client, children, _ = _children(uri, Path(summary["directory"]))
+    (run,) = children
+    run_dir = Path(summary["directory"]) / TRIALS_DIR / run.info.run_name
+    assert (run_dir / "fault-fired-kill-in-checkpoint-10-0").is_file()
+    restored = [e["restored_step"] for e in read_events(run_dir) if e["event"] == "segment_start"]
+    assert len(restored) == 2 and restored[0] == 0 and 0 < restored[1] < 10, restored
+    assert _starts(Path(summary["directory"]) / TRIALS_DIR, run.info.run_name) == 1  # same trial
+    assert run.info.status == "FINISHED"
+    assert _steps(client, run.info.run_id) == list(range(1, 13))
+
+
+def test_optuna_search_samples_the_space(tmp_path):
+    from raytrain_lm.sweeps import _search_alg, param_space
+
+    path = _write_sweep(tmp_path, [], search="optuna", seed=3)
+    sweep = load_sweep(path)
+    searcher = _search_alg(sweep)
+    searcher.set_search_properties("val_loss", "min", param_space(sweep.spec.space))
+    suggested = searcher.suggest("t1")
+    assert 1e-3 <= suggested["optim.lr"] <= 1e-2 and suggested["model.n_embd"] in (32, 48)
+    with pytest.raises(UserError, match="optuna cannot sample grid keys"):
+        load_sweep(
+            _write_sweep(tmp_path, [], search="optuna", space={"optim.lr": {"grid": [1e-3]}})
+        )
+    assert param_space({"x.y": {"grid": [1, 2]}}) == {"x.y": {"grid_search": [1, 2]}}

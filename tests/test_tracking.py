@@ -1,0 +1,118 @@
+"""Tracking that survives its server: buffering, retry, spooling, redaction."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from mlflow.tracking import MlflowClient
+from mlflow_server import MlflowServer
+
+import raytrain_lm
+from raytrain_lm.config import load_config
+from raytrain_lm.tracking import REDACTED, MLflowTracker, looks_secret, redact
+
+
+@pytest.mark.parametrize(
+    ("key", "secret"),
+    [
+        ("hf_token", True),
+        ("data.auth.password", True),
+        ("aws_secret_access_key", True),
+        ("apiKey", True),
+        ("storage.api-key", True),
+        ("data.shard_tokens", False),
+        ("training.sample_tokens", False),
+        ("data.tokenizer.kind", False),
+        ("data.tokenizer.path", False),
+        ("model.n_embd", False),
+    ],
+)
+def test_secret_looking_keys(key, secret):
+    assert looks_secret(key) is secret
+    assert (redact({key: "v"})[key] == REDACTED) is secret
+
+
+@pytest.fixture
+def server(tmp_path):
+    server = MlflowServer(tmp_path / "server")
+    server.start()
+    yield server
+    server.stop()
+
+
+def test_tracker_buffers_while_the_server_is_down(server):
+    """Params and tags are redacted; metrics logged while the server is down are sent when it
+    is back; flush never raises and returns promptly meanwhile."""
+    tracker = MLflowTracker.start(server.uri, "down", "buffered", None, tags={"db_password": "x"})
+    tracker.log_params({"optim.lr": 0.1, "hf_token": "hf_abc"})
+    tracker.log_metrics({"train/loss": 1.0}, step=1)
+    tracker.flush()
+    server.stop()
+    for step in range(2, 120):
+        tracker.log_metrics({"train/loss": 1.0 / step}, step=step)
+    started = time.monotonic()
+    tracker.flush()  # the store is down: one failed attempt, no exception
+    assert time.monotonic() - started < 30
+    server.start()
+    tracker.finish()
+    client = MlflowClient(tracking_uri=server.uri)
+    run = client.get_run(tracker.run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.params == {"optim.lr": "0.1", "hf_token": REDACTED}
+    assert run.data.tags["db_password"] == REDACTED
+    steps = sorted(m.step for m in client.get_metric_history(tracker.run_id, "train/loss"))
+    assert steps == list(range(1, 120))
+
+
+def test_training_run_survives_a_tracking_outage(ray_session, tiny_overrides, server, monkeypatch):
+    """Stop the server while a run trains and start it again later: the run completes and
+    every step's metrics arrive."""
+    monkeypatch.setenv("RAYTRAIN_LM_FAULT", "slow-steps:seconds=0.25")
+    overrides = [
+        *(o for o in tiny_overrides if not o.startswith("tracking.uri=")),
+        f"tracking.uri={server.uri}",
+        "name=outage",
+        "scaling.num_workers=1",
+        "training.max_steps=80",
+        "training.eval_every=20",
+        "checkpoint.every_steps=20",
+    ]
+    done: dict = {}
+
+    def train() -> None:
+        try:
+            done["summary"] = raytrain_lm.train(load_config(None, overrides), sample=False)
+        except BaseException as exc:  # reported by the assertion below
+            done["error"] = exc
+
+    thread = threading.Thread(target=train)
+    thread.start()
+    client = MlflowClient(tracking_uri=server.uri)
+    deadline = time.time() + 240
+    run_id = None
+    while time.time() < deadline and thread.is_alive():
+        found = client.search_runs(
+            [e.experiment_id for e in client.search_experiments()],
+            "attributes.run_name = 'outage'",
+        )
+        if found and client.get_metric_history(found[0].info.run_id, "train/loss"):
+            run_id = found[0].info.run_id
+            break
+        time.sleep(1)
+    assert run_id, done
+    server.stop()
+    time.sleep(8)  # several steps and a checkpoint flush with nowhere to send metrics
+    assert thread.is_alive(), done
+    server.start()
+    thread.join(timeout=300)
+    assert "error" not in done, done.get("error")
+    summary = done["summary"]
+    assert summary["steps"] == 80 and summary["mlflow_run_id"] == run_id
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED"
+    steps = sorted({m.step for m in client.get_metric_history(run_id, "train/loss")})
+    assert steps == list(range(1, 81))
+    val = sorted(m.step for m in client.get_metric_history(run_id, "val/loss"))
+    assert val == [20, 40, 60, 80]
