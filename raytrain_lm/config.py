@@ -201,6 +201,12 @@ class FaultConfig(_Section):
         900.0, gt=0.0, description="watchdog: a worker with no finished step for this long exits"
     )
     health_check_s: float = Field(2.0, gt=0.0, description="how often Ray Train polls workers")
+    node_loss_wait_s: float = Field(
+        10.0,
+        ge=0.0,
+        description="elastic runs: after a failure, wait this long for Ray to mark a lost node "
+        "dead so the restart is sized for the nodes left (0: restart at once)",
+    )
     preemption_check_s: float = Field(
         2.0, gt=0.0, description="how often the loop asks whether a node is being preempted"
     )

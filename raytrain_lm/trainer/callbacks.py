@@ -1,22 +1,82 @@
-"""A Ray Train callback (runs in the controller) that timestamps failures for goodput."""
+"""A Ray Train callback (runs in the controller): timestamps failures for goodput, and after
+a node loss makes sure the restart is sized for the nodes that are left.
+
+Ray Train notices a lost node by its own worker health check, often before Ray's control
+plane has marked the node dead; and its elastic policy reads cluster capacity from Ray Data's
+autoscaling coordinator, which refreshes only every 20 s. So the restart right after a node
+loss is sized for the old cluster, cannot be placed, and waits out
+`fault.worker_start_timeout_s` before Ray Train retries smaller. Waiting here (briefly) for
+the node to be marked dead and refreshing the coordinator's view avoids that.
+"""
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import Any
 
 from ray.train import UserCallback
 
-from raytrain_lm.trainer.goodput import append_event
+from raytrain_lm.trainer.goodput import append_event, read_events
+
+logger = logging.getLogger(__name__)
+
+
+def alive_node_ids() -> set[str]:
+    import ray
+
+    return {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
 
 
 class FailureEvents(UserCallback):
-    def __init__(self, run_dir: str):
+    def __init__(self, run_dir: str, node_loss_wait_s: float = 0.0):
         self.run_dir = run_dir
+        self.node_loss_wait_s = node_loss_wait_s
+        self._handled: set[str] = set()
 
     def after_exception(self, run_context: Any, worker_exceptions: dict[int, Exception]) -> None:
+        kinds = sorted({type(e).__name__ for e in worker_exceptions.values()})
+        segment = self._current_segment()
+        key = (segment or {}).get("segment", "")
+        if key in self._handled:
+            return  # the controller reports the same failure on every poll until it acts
+        self._handled.add(key)
         append_event(
-            self.run_dir,
-            "failure_detected",
-            ranks=sorted(worker_exceptions),
-            errors=sorted({type(e).__name__ for e in worker_exceptions.values()}),
+            self.run_dir, "failure_detected", ranks=sorted(worker_exceptions), errors=kinds
         )
+        # Survivors' collective errors usually arrive before the lost node's own, so any
+        # failure may be a node loss: look for one, for at most node_loss_wait_s.
+        if self.node_loss_wait_s > 0 and segment and segment.get("nodes"):
+            self._wait_for_lost_nodes(set(segment["nodes"]))
+
+    def _current_segment(self) -> dict[str, Any] | None:
+        starts = [e for e in read_events(self.run_dir) if e["event"] == "segment_start"]
+        return starts[-1] if starts else None
+
+    def _wait_for_lost_nodes(self, nodes_at_start: set[str]) -> None:
+        deadline = time.monotonic() + self.node_loss_wait_s
+        while time.monotonic() < deadline:
+            lost = nodes_at_start - alive_node_ids()
+            if lost:
+                append_event(self.run_dir, "nodes_lost", nodes=sorted(lost))
+                _refresh_capacity_view()
+                return
+            time.sleep(0.25)
+
+
+def _refresh_capacity_view() -> None:
+    """Asks Ray Data's autoscaling coordinator (where Ray Train's elastic policy reads cluster
+    capacity) to re-read the cluster now. Internal API: if it moves, Ray's own timeout-and-
+    retry path still recovers, only slower."""
+    try:
+        import ray
+        from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
+            get_or_create_autoscaling_coordinator,
+        )
+
+        coordinator = get_or_create_autoscaling_coordinator()
+        ray.get(
+            coordinator.get_reserved_resources.remote("raytrain-lm", recompute=True), timeout=10
+        )
+    except Exception:  # best effort: never let bookkeeping break recovery
+        logger.warning("could not refresh the cluster capacity view", exc_info=True)

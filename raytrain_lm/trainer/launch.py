@@ -46,13 +46,18 @@ def _check_writable(directory: Path) -> None:
         raise UserError(f"output directory {directory} is not writable: {exc.strerror}") from None
 
 
-def _check_resume_compatible(cfg: RunConfig, run_dir: Path) -> None:
+def _check_resume_compatible(
+    cfg: RunConfig, run_dir: Path, may_change: tuple[str, ...] = ()
+) -> None:
+    """`may_change`: keys a PBT trial may resume with changed (see sweeps.PBT_MUTABLE)."""
     saved_file = run_dir / CONFIG_FILE
     if not saved_file.is_file():
         return
     saved = flatten(yaml.safe_load(saved_file.read_text()))
     current = flatten(cfg)
     for key, value in current.items():
+        if key in may_change:
+            continue
         if key.split(".")[0] in IDENTITY_SECTIONS or key in IDENTITY_KEYS:
             old = saved.get(key)
             if old != value:
@@ -107,17 +112,19 @@ def train(
     parent_run_id: str | None = None,
     tags: dict[str, Any] | None = None,
     callbacks: list | None = None,
+    may_change: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """Runs (or resumes) `cfg` to completion and returns the summary dict.
 
-    A sweep trial passes its sweep's MLflow `parent_run_id`, `tags` for its MLflow run and
-    extra Ray Train `callbacks` (Tune's report callback).
+    A sweep trial passes its sweep's MLflow `parent_run_id`, `tags` for its MLflow run, extra
+    Ray Train `callbacks` (its report to Tune) and, under PBT, the keys it `may_change` when it
+    resumes (a perturbation).
     """
     started = time.time()
     storage = Path(cfg.output_dir).resolve()
     run_dir = storage / cfg.name
     _check_writable(storage)
-    _check_resume_compatible(cfg, run_dir)
+    _check_resume_compatible(cfg, run_dir, may_change)
 
     if not cfg.data.prepared:
         ensure_ray(cfg.scaling)  # prepare runs as a Ray Data job; size Ray for training first
@@ -258,7 +265,10 @@ def _fit(
                 max_failures=fault.max_failures, max_preemption_failures=fault.max_preemptions
             ),
             logging_config=LoggingConfig(log_level="WARNING"),
-            callbacks=[FailureEvents(str(run_dir)), *(callbacks or [])],
+            callbacks=[
+                FailureEvents(str(run_dir), fault.node_loss_wait_s if cfg.scaling.elastic else 0.0),
+                *(callbacks or []),
+            ],
         ),
     )
     try:

@@ -27,6 +27,7 @@ from raytrain_lm.model import GPT, GPTShape
 from raytrain_lm.tokenization import load_tokenizer
 from raytrain_lm.tracking import MLflowTracker, NullTracker, Tracker
 from raytrain_lm.trainer import faults, hardware
+from raytrain_lm.trainer.callbacks import alive_node_ids
 from raytrain_lm.trainer.checkpoint import (
     TrainState,
     is_complete,
@@ -219,6 +220,7 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
                 world_size=world,
                 accumulation=plan.accumulation,
                 price_per_hour=group_price,
+                nodes=sorted(alive_node_ids()),  # lets a failure tell a lost node (callbacks.py)
             )
         )
     if rank == 0:
