@@ -102,7 +102,8 @@ def test_goodput_from_events(tmp_path):
     assert g.wall_s == pytest.approx((60 - 10) + (70 - 60) + (130 - 70))
     assert g.cost == pytest.approx(50 * 1.0 + 60 * 0.5)
     assert g.productive_ratio == pytest.approx((99.0 - 9.0) / 120.0)
-    metrics = g.metrics(tokens=2_000_000)
+    metrics = g.metrics(tokens=2_000_000, tokens_per_step=1024)
+    assert metrics["goodput/tokens_recomputed"] == 10 * 1024
     assert metrics["cost/per_million_tokens"] == pytest.approx(80.0 / 2)
 
 

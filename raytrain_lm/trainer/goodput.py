@@ -90,12 +90,13 @@ class Goodput:
     def productive_ratio(self) -> float:
         return max(0.0, self.step_s - self.recomputed_s) / self.wall_s if self.wall_s else 0.0
 
-    def metrics(self, tokens: int) -> dict[str, float]:
+    def metrics(self, tokens: int, tokens_per_step: int = 0) -> dict[str, float]:
         out = {
             "goodput/restarts": self.restarts,
             "goodput/preemptions": self.preemptions,
             "goodput/recovery_s": self.recovery_s,
             "goodput/steps_recomputed": self.steps_recomputed,
+            "goodput/tokens_recomputed": self.steps_recomputed * tokens_per_step,
             "goodput/productive_ratio": self.productive_ratio,
             "cost/total": self.cost,
         }

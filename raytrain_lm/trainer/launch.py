@@ -28,6 +28,7 @@ from raytrain_lm.trainer.goodput import append_event, close_previous_segment, re
 
 TRACKING_FILE = "tracking.json"
 SUMMARY_FILE = "summary.json"
+RAY_TRAIN_SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train V2's, in the run directory
 # What defines a run: resuming with any of these changed would silently make a different run.
 IDENTITY_SECTIONS = ("model", "data", "optim")
 IDENTITY_KEYS = ("training.global_batch_size", "training.seed")
@@ -208,7 +209,8 @@ def train(
         raise RuntimeError(f"training finished without a complete checkpoint in {run_dir}")
     state = read_state(final)
     close_previous_segment(run_dir)
-    goodput = summarize(read_events(run_dir)).metrics(state.tokens)
+    tokens_per_step = cfg.training.global_batch_size * cfg.model.block_size
+    goodput = summarize(read_events(run_dir)).metrics(state.tokens, tokens_per_step)
     summary = {
         "run": cfg.name,
         "steps": state.step,
@@ -249,6 +251,11 @@ def _fit(
     os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = str(fault.health_check_s)
     os.environ["RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S"] = str(fault.preemption_check_s)
     os.environ["RAY_TRAIN_COLLECTIVE_TIMEOUT_S"] = str(fault.collective_timeout_s)
+    # Ray Train lists the checkpoints reported to it in a snapshot and refuses to start a run
+    # whose listed checkpoints are gone, as those we prune are (or a PBT trial's superseded
+    # ones). The loop restores the newest complete checkpoint on disk itself (loop._restore),
+    # so Ray's list is not needed to resume.
+    (run_dir / RAY_TRAIN_SNAPSHOT).unlink(missing_ok=True)
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config=payload,

@@ -384,7 +384,7 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
         if rank == 0 and events and (state.step % cfg.training.log_every == 0 or last_step):
             live = summarize(events, time.time())
             live.step_s += step_seconds
-            metrics.update(live.metrics(state.tokens))
+            metrics.update(live.metrics(state.tokens, tokens_per_step))
         if state.step % cfg.training.eval_every == 0 or last_step:
             state.val_loss = evaluate(raw_model, cfg, data_dir, manifest, rank, world, device, bf16)
             state.val_step = state.step
