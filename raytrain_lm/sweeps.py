@@ -24,11 +24,15 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
+import threading
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from ray.train import UserCallback
 from ray.tune import Callback
 
 from raytrain_lm.config import (
@@ -53,16 +57,40 @@ TRIAL_CPU = 0.01
 TAG_SWEEP = "raytrain_lm.sweep"
 TAG_TRIAL = "raytrain_lm.trial_id"
 TAG_STOPPED_EARLY = "raytrain_lm.stopped_early"
+TAG_PBT_DONOR = "raytrain_lm.pbt.donor"
+TAG_PBT_VALUES = "raytrain_lm.pbt.values"
+POINTER_FILE = "train_checkpoint.json"
+# What PBT may change when a trial continues from another trial's checkpoint: settings the
+# training loop reads at every step. The model, the data and the batch define the weights and
+# the data position a checkpoint holds; weight decay and Adam's betas are restored from the
+# optimizer state in the checkpoint, so a mutated value would silently not apply.
+PBT_MUTABLE = (
+    "optim.lr",
+    "optim.min_lr",
+    "optim.warmup_steps",
+    "optim.decay_steps",
+    "optim.grad_clip",
+)
 
 
 class SchedulerSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    kind: Literal["asha", "fifo"] = "asha"
+    kind: Literal["asha", "fifo", "pbt"] = "asha"
     grace_period: int | None = Field(
         None, ge=1, description="steps before ASHA may stop a trial (default: first report)"
     )
     reduction_factor: float = Field(2.0, gt=1.0)
+    # PBT
+    perturbation_interval: int | None = Field(
+        None, ge=1, description="steps between PBT perturbations (default: checkpoint interval)"
+    )
+    hyperparam_mutations: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description="PBT: dotted key -> choice/uniform/loguniform/randint"
+    )
+    quantile_fraction: float = Field(0.25, gt=0.0, le=0.5)
+    resample_probability: float = Field(0.25, ge=0.0, le=1.0)
+    synch: bool = Field(False, description="PBT: perturb all trials together at each interval")
 
 
 class SweepSpec(BaseModel):
@@ -221,7 +249,15 @@ def load_sweep(path: str | Path, overrides: list[str] | None = None) -> Sweep:
             f"training.eval_every ({cfg.training.eval_every}) so every report has a val loss",
         )
     base = cfg.model_dump(mode="json")
-    _check_space(origin, spec.space, base)
+    pbt = spec.scheduler.kind == "pbt"
+    if not (pbt and spec.scheduler.hyperparam_mutations and not spec.space):
+        _check_space(origin, spec.space, base)
+    if pbt:
+        _check_pbt(origin, spec, base)
+    elif spec.scheduler.hyperparam_mutations or spec.scheduler.perturbation_interval:
+        raise _origin_error(
+            origin, "scheduler: hyperparam_mutations and perturbation_interval need kind: pbt"
+        )
     if spec.search == "optuna":
         grids = [k for k, e in spec.space.items() if "grid" in e]
         if grids:
@@ -239,11 +275,44 @@ def load_sweep(path: str | Path, overrides: list[str] | None = None) -> Sweep:
     return Sweep(spec=spec, name=name, base=base, source=str(file.resolve()), directory=directory)
 
 
+def _check_pbt(origin: str, spec: SweepSpec, base: dict[str, Any]) -> None:
+    s = spec.scheduler
+    if not s.hyperparam_mutations:
+        raise _origin_error(origin, "scheduler: pbt needs hyperparam_mutations (e.g. optim.lr)")
+    for key in s.hyperparam_mutations:
+        if key not in PBT_MUTABLE:
+            raise _origin_error(
+                origin,
+                f"scheduler.hyperparam_mutations: PBT cannot change '{key}' mid-run (a trial "
+                f"continues from another trial's checkpoint); mutable: {', '.join(PBT_MUTABLE)}",
+            )
+        if "grid" in s.hyperparam_mutations[key]:
+            raise _origin_error(
+                origin, f"scheduler.hyperparam_mutations.{key}: grid is not a mutation; use choice"
+            )
+    _check_space(f"{origin}: scheduler.hyperparam_mutations", s.hyperparam_mutations, base)
+    if spec.search == "optuna":
+        raise _origin_error(origin, "search: optuna cannot drive a pbt scheduler; use random")
+    every = base["checkpoint"]["every_steps"]
+    if (s.perturbation_interval or every) % every:
+        raise _origin_error(
+            origin,
+            f"scheduler.perturbation_interval ({s.perturbation_interval}) must be a multiple of "
+            f"checkpoint.every_steps ({every}): PBT copies the checkpoint of each perturbation",
+        )
+
+
 # ------------------------------------------------------------------------------- Tune objects
 
 
-def param_space(space: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def param_space(
+    space: dict[str, dict[str, Any]], mutations: dict[str, dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    """Tune's search space; PBT's mutated keys not in `space` start from their mutation's
+    distribution."""
     from ray import tune
+
+    space = {**(mutations or {}), **space}
 
     make = {
         "choice": tune.choice,
@@ -268,13 +337,49 @@ def derive_max_concurrent(cfg: RunConfig, resources: dict[str, float], gpu: bool
     return max(1, fits)
 
 
+def _mutation(entry: dict[str, Any]):
+    """PBT shifts a `choice` to a neighbouring value and scales a range by 0.8 or 1.2."""
+    from ray import tune
+
+    kind, args = next(iter(entry.items()))
+    if kind == "choice":
+        return list(args)
+    return {"uniform": tune.uniform, "loguniform": tune.loguniform, "randint": tune.randint}[kind](
+        *args
+    )
+
+
+def _keep_in_range(bounds: dict[str, tuple[float, float]], config: dict[str, Any]):
+    """PBT's custom_explore_fn: a scaled value stays inside the declared range, where
+    load_sweep checked it is a valid setting."""
+    for key, (low, high) in bounds.items():
+        value = config[key]
+        config[key] = type(value)(min(max(value, low), high))
+    return config
+
+
 def _scheduler(sweep: Sweep):
-    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
+    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler, PopulationBasedTraining
 
     s = sweep.spec.scheduler
+    every = sweep.base["checkpoint"]["every_steps"]
     if s.kind == "fifo":
         return FIFOScheduler()
-    every = sweep.base["checkpoint"]["every_steps"]
+    if s.kind == "pbt":
+        bounds = {}
+        for key, entry in s.hyperparam_mutations.items():
+            kind, args = next(iter(entry.items()))
+            if kind != "choice":
+                bounds[key] = (args[0], args[1] - 1 if kind == "randint" else args[1])
+        return PopulationBasedTraining(
+            time_attr=TIME_ATTR,
+            perturbation_interval=s.perturbation_interval or every,
+            hyperparam_mutations={k: _mutation(e) for k, e in s.hyperparam_mutations.items()},
+            quantile_fraction=s.quantile_fraction,
+            resample_probability=s.resample_probability,
+            custom_explore_fn=partial(_keep_in_range, bounds),
+            synch=s.synch,
+        )
     return ASHAScheduler(
         time_attr=TIME_ATTR,
         max_t=sweep.base["training"]["max_steps"],
@@ -309,12 +414,99 @@ def trial_config(base: dict[str, Any], values: dict[str, Any], run_name: str, tr
         raise UserError(_format_validation_error(err, f"trial {run_name}")) from None
 
 
+class ReportToTune(UserCallback):
+    """Runs in the trial's Ray Train controller: hands every report, with the path of the
+    checkpoint Ray Train has already persisted, to the trial's actor (`_forward_reports`).
+
+    Ray's `TuneReportCallback` does the same but can only pass metrics; PBT needs a Tune
+    checkpoint with each report, to hand to the trials that copy this one."""
+
+    def __init__(self, queue):
+        self.queue = queue
+
+    def after_report(self, run_context, metrics, checkpoint) -> None:
+        item = dict(metrics[0])
+        item[POINTER_FILE] = checkpoint.path if checkpoint is not None else None
+        # Blocks until the trial took the previous report: Tune's decisions (stop, pause)
+        # come while the trial is at the step that caused them, as with TuneReportCallback.
+        self.queue.put(item)
+
+
+def _report(metrics: dict[str, Any], train_checkpoint: str | None) -> None:
+    """tune.report with a Tune checkpoint that only points at the trial's Ray Train
+    checkpoint: the weights stay where they are, once."""
+    from ray import tune
+
+    if train_checkpoint is None:
+        tune.report(metrics)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / POINTER_FILE).write_text(json.dumps({"checkpoint": train_checkpoint}))
+        tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(tmp))
+
+
+def _forward_reports(queue, finished: threading.Event, errors: list[Exception]) -> None:
+    """The trial actor's side of ReportToTune, in a thread of its own: the trial's function
+    thread is busy in Ray Train's fit(). Runs until the Train run has ended and every report
+    is passed on."""
+    from ray.util.queue import Empty
+
+    while True:
+        try:
+            item = queue.get(timeout=0.5)
+        except Empty:
+            if finished.is_set():
+                return
+            continue
+        if errors:
+            continue  # keep taking reports, or the Train controller would block on the queue
+        try:
+            _report(item, item.pop(POINTER_FILE))
+        except Exception as exc:  # raised by run_trial once training is over
+            errors.append(exc)
+
+
+def _adopt(pointer: dict[str, Any], run_dir: Path) -> tuple[str, int] | None:
+    """PBT's exploit: this trial continues from another trial's checkpoint. Copies it into
+    this trial's run directory as its only checkpoint (the trial's own are superseded), with
+    the donor's config as the run's saved config, so the run resumes from it (launch._fit
+    drops Ray Train's list of the removed checkpoints). Returns the
+    donor's run name and step, or None when the checkpoint is the trial's own."""
+    import shutil
+
+    from raytrain_lm.trainer.checkpoint import (
+        CONFIG_FILE,
+        is_complete,
+        latest_complete_checkpoint,
+        read_state,
+    )
+
+    source = Path(pointer["checkpoint"])
+    if source.parent.resolve() == run_dir.resolve():
+        return None  # a pause or a restore: the run resumes from its own newest checkpoint
+    if not is_complete(source):
+        # Pruned meanwhile (the donor trained on past checkpoint.keep_last): its newest.
+        newer = latest_complete_checkpoint(source.parent)
+        if newer is None:
+            raise RuntimeError(f"PBT: no complete checkpoint left in {source.parent} to copy")
+        print(f"[raytrain-lm] PBT: {source.name} was pruned; copying {newer.name} instead")
+        source = newer
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for own in run_dir.glob("checkpoint_*"):
+        shutil.rmtree(own, ignore_errors=True)
+    target = run_dir / source.name
+    shutil.copytree(source, target)
+    shutil.copyfile(source / CONFIG_FILE, run_dir / CONFIG_FILE)
+    return source.parent.name, read_state(target).step
+
+
 def run_trial(values: dict[str, Any], context: dict[str, Any]) -> None:
     """Tune's trainable: one full Ray Train run with this trial's values, resuming its own
-    run directory when it has one."""
+    run directory when it has one (or, under PBT, continuing from the checkpoint of the trial
+    it was told to copy)."""
     import ray
     from ray import tune
-    from ray.tune.integration.ray_train import TuneReportCallback
+    from ray.util.queue import Queue
 
     from raytrain_lm.trainer import faults
     from raytrain_lm.trainer.launch import default_ray_env
@@ -323,6 +515,13 @@ def run_trial(values: dict[str, Any], context: dict[str, Any]) -> None:
     trial_id = tune.get_context().get_trial_id()
     name = trial_run_name(context["name"], trial_id)
     cfg = trial_config(context["base"], values, name, context["trials_dir"])
+    mutable = tuple(context.get("pbt_mutations") or ())
+    adopted = None
+    checkpoint = tune.get_checkpoint()
+    if checkpoint is not None:
+        with checkpoint.as_directory() as directory:
+            pointer = json.loads((Path(directory) / POINTER_FILE).read_text())
+        adopted = _adopt(pointer, Path(context["trials_dir"]) / name)
     default_ray_env()
     if context.get("fault"):
         # Fault injection reaches trials the way it reaches `train`: through the environment
@@ -341,15 +540,38 @@ def run_trial(values: dict[str, Any], context: dict[str, Any]) -> None:
         "capacity": cfg.scaling.capacity,
         "spot": str(cfg.scaling.capacity == "spot").lower(),
     }
-    summary = launch_train(
-        cfg,
-        parent_run_id=context.get("parent_run_id"),
-        tags=tags,
-        callbacks=[TuneReportCallback()],
+    if mutable:
+        # MLflow params are write-once: the trial's first values stay its params, the values
+        # it trains with now are a tag (and train/lr shows the schedule step by step).
+        tags[TAG_PBT_VALUES] = json.dumps({k: values[k] for k in mutable})
+    if adopted is not None:
+        tags[TAG_PBT_DONOR] = f"{adopted[0]}@{adopted[1]}"
+        print(f"[raytrain-lm] PBT: continuing from {adopted[0]} at step {adopted[1]}", flush=True)
+    queue = Queue(1, actor_options={"num_cpus": 0})
+    finished, errors = threading.Event(), []
+    forwarder = threading.Thread(
+        target=_forward_reports, args=(queue, finished, errors), daemon=True
     )
+    forwarder.start()
+    try:
+        summary = launch_train(
+            cfg,
+            parent_run_id=context.get("parent_run_id"),
+            tags=tags,
+            callbacks=[ReportToTune(queue)],
+            may_change=mutable,
+        )
+    finally:
+        finished.set()
+    forwarder.join()
+    if errors:
+        raise errors[0]
     # A trial resumed after it had already trained to the end reports nothing through Train:
     # give Tune its final result either way.
-    tune.report({METRIC: summary["val_loss"], TIME_ATTR: summary["steps"], "done_steps": True})
+    _report(
+        {METRIC: summary["val_loss"], TIME_ATTR: summary["steps"], "done_steps": True},
+        summary["checkpoint"],
+    )
 
 
 def _accelerator(kind: str | list[str] | None) -> str:
@@ -358,14 +580,19 @@ def _accelerator(kind: str | list[str] | None) -> str:
     return kind if isinstance(kind, str) else ",".join(kind)
 
 
-def _git_commit(where: Path) -> str | None:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=where, capture_output=True, text=True, timeout=10
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() or None if out.returncode == 0 else None
+def _git_commit(*places: Path) -> str | None:
+    """The commit of the first of `places` inside a git checkout: the code that trains (when
+    it runs from a checkout), else the sweep file's project (an installed package)."""
+    for where in places:
+        try:
+            out = subprocess.run(
+                ["git", "rev-parse", "HEAD"], cwd=where, capture_output=True, text=True, timeout=10
+            )
+        except (OSError, subprocess.SubprocessError):
+            continue
+        if out.returncode == 0 and out.stdout.strip():
+            return out.stdout.strip()
+    return None
 
 
 # ------------------------------------------------------------------------------- MLflow runs
@@ -418,18 +645,14 @@ class CloseTrialRuns(Callback):
 
     def __init__(self, runs: TrialRuns):
         self.runs = runs
-        self.completed: set[str] = set()
-        self.errored: set[str] = set()
 
     def on_trial_complete(self, iteration, trials, trial, **info):
-        self.completed.add(trial.trial_id)
         # run_trial's last report says it trained to the end; without it, the scheduler
         # stopped the trial (whose Train run may have marked its MLflow run FAILED as it went)
         stopped_early = not (trial.last_result or {}).get("done_steps")
         self._settle(trial.trial_id, "FINISHED", stopped_early=stopped_early)
 
     def on_trial_error(self, iteration, trials, trial, **info):
-        self.errored.add(trial.trial_id)
         self._settle(trial.trial_id, "FAILED")
 
     def _settle(self, trial_id: str, status: str, stopped_early: bool = False) -> None:
@@ -524,7 +747,7 @@ def run_sweep(sweep: Sweep) -> dict[str, Any]:
         # Prepare once here rather than in every trial at the same time.
         base["data"]["prepared"] = str(Path(prepare(base_cfg.data).directory).resolve())
     record = _record(sweep, base["tracking"]["uri"])
-    git_commit = _git_commit(Path(sweep.source).parent)
+    git_commit = _git_commit(Path(__file__).resolve().parent, Path(sweep.source).parent)
     parent = _open_parent(sweep, record, git_commit)
     record["parent_run_id"] = parent.run_id
     (sweep.directory / SWEEP_FILE).write_text(json.dumps(record, indent=2))
@@ -541,6 +764,9 @@ def run_sweep(sweep: Sweep) -> dict[str, Any]:
         "parent_run_id": parent.run_id,
         "git_commit": git_commit,
         "fault": os.environ.get(FAULT_ENV),
+        "pbt_mutations": list(sweep.spec.scheduler.hyperparam_mutations)
+        if sweep.spec.scheduler.kind == "pbt"
+        else [],
     }
     # The trial's actor only waits on Ray Train, which reserves its own workers: a trial
     # holding a whole CPU would keep Train workers (and Ray Data) from scheduling. Tune
@@ -549,23 +775,24 @@ def run_sweep(sweep: Sweep) -> dict[str, Any]:
         tune.with_parameters(run_trial, context=context), {"CPU": TRIAL_CPU}
     )
     runs = TrialRuns(record["tracking_uri"], parent.run_id)
-    closer = CloseTrialRuns(runs)
     tune_path = sweep.directory / TUNE_DIR
+    space = param_space(sweep.spec.space, sweep.spec.scheduler.hyperparam_mutations)
     if tune.Tuner.can_restore(str(tune_path)):
         print(f"[raytrain-lm] resuming sweep '{sweep.name}' from {tune_path}", flush=True)
         tuner = tune.Tuner.restore(
             str(tune_path),
             trainable=trainable,
-            param_space=param_space(sweep.spec.space),
+            param_space=space,
             resume_unfinished=True,
             resume_errored=True,
         )
-        # Restore keeps the original RunConfig, so our (new) callback object rides along here.
-        tuner._local_tuner.get_run_config().callbacks = [closer]
+        # Tune restores the RunConfig it pickled, with its CloseTrialRuns: that one closes the
+        # same MLflow runs (the parent run id never changes), so nothing needs replacing, and
+        # the end-of-sweep pass below reads only the public ResultGrid.
     else:
         tuner = tune.Tuner(
             trainable,
-            param_space=param_space(sweep.spec.space),
+            param_space=space,
             tune_config=tune.TuneConfig(
                 metric=METRIC,
                 mode="min",
@@ -578,7 +805,10 @@ def run_sweep(sweep: Sweep) -> dict[str, Any]:
                 name=TUNE_DIR,
                 storage_path=str(sweep.directory),
                 failure_config=tune.FailureConfig(max_failures=base_cfg.fault.max_failures),
-                callbacks=[closer],
+                # Tune's checkpoints are pointers to the trials' own (see _report); PBT warns
+                # below 3 (a donor's may go before the trials copying it have started).
+                checkpoint_config=tune.CheckpointConfig(num_to_keep=4),
+                callbacks=[CloseTrialRuns(runs)],
                 verbose=1,
             ),
         )
@@ -591,23 +821,34 @@ def run_sweep(sweep: Sweep) -> dict[str, Any]:
     try:
         grid = tuner.fit()
     except BaseException:
-        _settle_children(runs, closer.completed, closer.errored, interrupted=True)
+        _settle_children(runs, {}, set())
         parent.finish("KILLED")
         raise
-    statuses = [t.status for t in grid._experiment_analysis.trials]
-    interrupted = any(s not in ("TERMINATED", "ERROR") for s in statuses)
-    _settle_children(runs, closer.completed, closer.errored, interrupted)
+    # Tune marks the last result of a trial that ended (ran out, or stopped by the scheduler)
+    # `done`; a trial still running or pending when the driver stopped has neither that nor
+    # an error. Trial statuses cannot tell: on Ctrl-C Tune saves its state, then stops the
+    # running trials, which leaves them TERMINATED in the result grid (RUNNING on disk).
+    completed = {
+        r.metrics["trial_id"]: not r.metrics.get("done_steps")
+        for r in grid
+        if r.error is None and r.metrics.get("done") and r.metrics.get("trial_id")
+    }
+    errored = {r.metrics["trial_id"] for r in grid if r.error and r.metrics.get("trial_id")}
+    errors = sum(1 for r in grid if r.error)
+    ended = len(completed) + errors
+    interrupted = ended < len(grid) or len(grid) < _trial_count(sweep.spec)
+    _settle_children(runs, completed, errored)
 
-    rows = collect(runs, list(sweep.spec.space))
+    keys = swept_keys(record)
+    rows = collect(runs, keys)
     png = sweep.directory / "report.png"
     if rows:
-        plot_report(rows, list(sweep.spec.space), runs.client, png)
+        plot_report(rows, keys, runs.client, png)
         parent.log_artifact(png)
         best = next((r for r in rows if r["val_loss"] is not None), None)
         if best is not None:
             parent.log_metrics({"best/val_loss": best["val_loss"]}, step=0)
-    print(format_table(rows, list(sweep.spec.space)), flush=True)
-    errors = sum(s == "ERROR" for s in statuses)
+    print(format_table(rows, keys), flush=True)
     if interrupted:
         print(
             f"[raytrain-lm] sweep '{sweep.name}' interrupted; run the same command again to "
@@ -615,24 +856,33 @@ def run_sweep(sweep: Sweep) -> dict[str, Any]:
             file=sys.stderr,
             flush=True,
         )
-    parent.finish(
-        "KILLED" if interrupted else ("FAILED" if errors == len(statuses) else "FINISHED")
-    )
+    parent.finish("KILLED" if interrupted else ("FAILED" if errors == len(grid) else "FINISHED"))
     return {
         "sweep": sweep.name,
         "directory": str(sweep.directory),
         "mlflow_parent_run_id": parent.run_id,
         "interrupted": interrupted,
-        "trials": len(statuses),
+        "trials": len(grid),
         "errored": errors,
         "report": str(png) if rows else None,
         "ranked": rows,
     }
 
 
-def _settle_children(runs: TrialRuns, completed, errored, interrupted: bool) -> None:
-    """No child run stays RUNNING once the driver stops: ended early, failed, or (when the
-    sweep was interrupted) KILLED until a restore reopens it."""
+def _trial_count(spec: SweepSpec) -> int:
+    """How many trials the sweep has once every one was created: each sample of the space is
+    repeated for every combination of grid values."""
+    count = spec.num_samples
+    for entry in spec.space.values():
+        count *= len(entry.get("grid", [None]))
+    return count
+
+
+def _settle_children(runs: TrialRuns, completed: dict[str, bool], errored: set[str]) -> None:
+    """No child run stays RUNNING once the driver stops: finished (`completed` maps a trial
+    to whether the scheduler stopped it early), failed, or otherwise KILLED until a restore
+    reopens it. An early-stopped trial's run may have been marked FAILED by the Train run the
+    scheduler ended: it is FINISHED."""
     try:
         children = runs.children()
     except Exception as exc:
@@ -640,18 +890,25 @@ def _settle_children(runs: TrialRuns, completed, errored, interrupted: bool) -> 
         return
     for run in children:
         trial_id = run.data.tags.get(TAG_TRIAL)
-        early = trial_id in completed and run.data.tags.get(TAG_STOPPED_EARLY) == "true"
+        early = completed.get(trial_id, False)
         if run.info.status != "RUNNING" and not (early and run.info.status == "FAILED"):
             continue
         try:
             if trial_id in errored:
                 runs.close(run, "FAILED")
             elif trial_id in completed:
-                runs.close(run, "FINISHED", stopped_early=True)
-            elif interrupted:
+                runs.close(run, "FINISHED", stopped_early=early)
+            else:
                 runs.client.set_terminated(run.info.run_id, status="KILLED")
         except Exception as exc:
             print(f"[raytrain-lm] warning: could not end MLflow run {run.info.run_id}: {exc}")
+
+
+def swept_keys(record: dict[str, Any]) -> list[str]:
+    """The keys a sweep's report shows: its space, then PBT's mutated keys (whose MLflow
+    params are the values a trial started with)."""
+    mutations = (record.get("scheduler") or {}).get("hyperparam_mutations") or {}
+    return [*record["space"], *(k for k in mutations if k not in record["space"])]
 
 
 def sweep_directory(name: str, output_dir: str | Path = "runs") -> Path:

@@ -165,7 +165,7 @@ def plot_report(rows: list[dict[str, Any]], keys: list[str], client, out: str | 
 
 def report(name: str, output_dir: str | Path = "runs", out: str | Path | None = None) -> dict:
     """Ranks sweep `name`'s trials; returns the rows, the table text and the PNG path."""
-    from raytrain_lm.sweeps import SWEEP_FILE, TrialRuns, sweep_directory
+    from raytrain_lm.sweeps import SWEEP_FILE, TrialRuns, sweep_directory, swept_keys
 
     directory = sweep_directory(name, output_dir)
     record = json.loads((directory / SWEEP_FILE).read_text())
@@ -174,7 +174,7 @@ def report(name: str, output_dir: str | Path = "runs", out: str | Path | None = 
 
         raise UserError(f"sweep '{name}' has no MLflow run yet (it never started)")
     runs = TrialRuns(record["tracking_uri"], record["parent_run_id"])
-    keys = list(record["space"])
+    keys = swept_keys(record)
     rows = collect(runs, keys)
     png = plot_report(rows, keys, runs.client, out or directory / "report.png")
     return {"rows": rows, "table": format_table(rows, keys), "png": str(png)}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,12 @@ TINY = [
 ]
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @pytest.fixture(scope="session", autouse=True)
 def ray_session(request):
     """One Ray for the session, started before anything else can start a smaller one
@@ -36,8 +43,21 @@ def ray_session(request):
         yield None
         return
     if not ray.is_initialized():
+        # Ray Train removes the workers' placement group of a run whose controller was killed
+        # (a trial Tune stopped or paused) from a helper that finds the cluster's API server
+        # by scanning this machine; with another Ray running here it finds two, gives up,
+        # and the run's CPUs stay reserved until later trials cannot start. Name ours.
+        port = _free_port()
+        os.environ.setdefault("RAY_API_SERVER_ADDRESS", f"http://127.0.0.1:{port}")
         # address="local": never join another Ray that happens to run on this machine
-        ray.init(address="local", num_cpus=6, log_to_driver=True)
+        ray.init(
+            address="local",
+            num_cpus=6,
+            log_to_driver=True,
+            include_dashboard=True,
+            dashboard_host="127.0.0.1",
+            dashboard_port=port,
+        )
     yield ray
     ray.shutdown()
 
@@ -57,3 +77,15 @@ def tiny_overrides(tmp_path, shared_dirs) -> list[str]:
         f"data.cache_dir={shared_dirs['data']}",
         f"tracking.uri=sqlite:///{shared_dirs['mlflow']}",
     ]
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory):
+    """One real MLflow tracking server (sqlite backend, 127.0.0.1) for the session: starting
+    one takes long on a busy machine. A test that stops it starts it again."""
+    from mlflow_server import MlflowServer
+
+    server = MlflowServer(tmp_path_factory.mktemp("mlflow-server"))
+    server.start()
+    yield server
+    server.stop()

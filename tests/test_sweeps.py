@@ -13,13 +13,21 @@ from pathlib import Path
 import pytest
 import yaml
 from mlflow.tracking import MlflowClient
-from mlflow_server import MlflowServer
 
 import raytrain_lm
 from raytrain_lm import cli
 from raytrain_lm.config import _set_dotted, parse_override
 from raytrain_lm.errors import UserError
-from raytrain_lm.sweeps import SWEEP_FILE, TAG_TRIAL, TRIALS_DIR, TrialRuns, load_sweep
+from raytrain_lm.sweeps import (
+    SWEEP_FILE,
+    TAG_PBT_DONOR,
+    TAG_PBT_VALUES,
+    TAG_TRIAL,
+    TRIALS_DIR,
+    TrialRuns,
+    _scheduler,
+    load_sweep,
+)
 from raytrain_lm.trainer.goodput import read_events
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -123,14 +131,6 @@ def test_sweep_file_typos_get_did_you_mean_and_exit_2(tmp_path):
 # ------------------------------------------------------------------ sweeps on the session Ray
 
 
-@pytest.fixture(scope="module")
-def mlflow_server(tmp_path_factory):
-    server = MlflowServer(tmp_path_factory.mktemp("mlflow-server"))
-    server.start()
-    yield server
-    server.stop()
-
-
 def test_asha_sweep_on_a_tracking_server(ray_session, tiny_overrides, tmp_path, mlflow_server):
     """4 trials, ASHA: each trial is one child run of the sweep's run, complete."""
     overrides = [o for o in tiny_overrides if not o.startswith("tracking.uri=")]
@@ -189,16 +189,16 @@ def _starts(trials_dir: Path, run_name: str) -> int:
 
 
 def test_interrupted_sweep_restores_without_duplicates(ray_session, tiny_overrides, tmp_path):
-    """SIGINT the sweep driver while its second trial trains, then run the sweep again:
-    finished trials are not rerun, the interrupted one resumes from its checkpoint, and every
-    trial has exactly one MLflow run, none left RUNNING."""
+    """SIGINT the sweep driver while its second (last) trial trains, then run the sweep again:
+    the finished trial is not rerun, the interrupted one resumes from its checkpoint, and
+    every trial has exactly one MLflow run, none left RUNNING."""
     import ray
 
     path = _write_sweep(
         tmp_path,
-        [*tiny_overrides, "training.max_steps=8"],
+        [*tiny_overrides, "training.max_steps=6"],
         name="interrupted",
-        num_samples=3,
+        num_samples=2,
         max_concurrent_trials=1,
         scheduler="fifo",
     )
@@ -206,7 +206,7 @@ def test_interrupted_sweep_restores_without_duplicates(ray_session, tiny_overrid
     env = {
         **os.environ,
         "RAY_ADDRESS": ray.get_runtime_context().gcs_address,
-        "RAYTRAIN_LM_FAULT": "slow-steps:seconds=0.4",  # time to interrupt mid-trial
+        "RAYTRAIN_LM_FAULT": "slow-steps:seconds=0.8",  # time to interrupt mid-trial
     }
     driver = subprocess.Popen(
         [sys.executable, "-m", "raytrain_lm.cli", "sweep", str(path)],
@@ -256,36 +256,36 @@ def test_interrupted_sweep_restores_without_duplicates(ray_session, tiny_overrid
     assert not [r for r in children if r.info.status == "RUNNING"]  # interrupted runs: KILLED
 
     summary = raytrain_lm.sweep(path)  # the same command again: restores
-    assert summary["trials"] == 3 and not summary["interrupted"] and summary["errored"] == 0
+    assert summary["trials"] == 2 and not summary["interrupted"] and summary["errored"] == 0
     client, children, parent = _children(uri, sweep_dir)
     assert parent.info.status == "FINISHED"
-    assert len(children) == 3 and len({r.data.tags[TAG_TRIAL] for r in children}) == 3
-    assert [r.info.status for r in children] == ["FINISHED"] * 3
+    assert len(children) == 2 and len({r.data.tags[TAG_TRIAL] for r in children}) == 2
+    assert [r.info.status for r in children] == ["FINISHED"] * 2
     resumed = 0
     for run in children:
         name = run.info.run_name
-        assert _steps(client, run.info.run_id) == list(range(1, 9))
+        assert _steps(client, run.info.run_id) == list(range(1, 7))
         if name in finished_before:
             assert _starts(trials_dir, name) == 1, name  # not rerun
             assert run.info.end_time == finished_before[name]
         else:
             events = read_events(trials_dir / name)
             restored = [e["restored_step"] for e in events if e["event"] == "segment_start"]
-            if _starts(trials_dir, name) == 2:
-                assert restored[0] == 0 and restored[-1] > 0, restored  # from its checkpoint
-                resumed += 1
+            assert _starts(trials_dir, name) == 2, name  # the interrupted trial, started again
+            assert restored[0] == 0 and restored[-1] > 0, restored  # from its checkpoint
+            resumed += 1
     assert resumed == 1
 
 
 def test_trial_whose_worker_dies_resumes(ray_session, tiny_overrides, tmp_path, monkeypatch):
-    """A worker killed half-way through writing step 10's checkpoint: Ray Train restarts the
+    """A worker killed half-way through writing step 6's checkpoint: Ray Train restarts the
     trial's worker group from a checkpoint it had registered and the trial finishes, with one
     MLflow run and the full history."""
-    monkeypatch.setenv("RAYTRAIN_LM_FAULT", "kill-in-checkpoint:step=10:rank=0")
+    monkeypatch.setenv("RAYTRAIN_LM_FAULT", "kill-in-checkpoint:step=6:rank=0")
     path = _write_sweep(
         tmp_path,
         # the controller learns of checkpoints when it polls: poll often, report often
-        [*tiny_overrides, "training.max_steps=12", "fault.health_check_s=0.2"],
+        [*tiny_overrides, "training.max_steps=8", "fault.health_check_s=0.2"],
         name="killed",
         space={"optim.lr": {"choice": [3e-3]}},
         scheduler="fifo",
@@ -296,12 +296,83 @@ def test_trial_whose_worker_dies_resumes(ray_session, tiny_overrides, tmp_path, 
     client, children, _ = _children(uri, Path(summary["directory"]))
     (run,) = children
     run_dir = Path(summary["directory"]) / TRIALS_DIR / run.info.run_name
-    assert (run_dir / "fault-fired-kill-in-checkpoint-10-0").is_file()
+    assert (run_dir / "fault-fired-kill-in-checkpoint-6-0").is_file()
     restored = [e["restored_step"] for e in read_events(run_dir) if e["event"] == "segment_start"]
-    assert len(restored) == 2 and restored[0] == 0 and 0 < restored[1] < 10, restored
+    assert len(restored) == 2 and restored[0] == 0 and 0 < restored[1] < 6, restored
     assert _starts(Path(summary["directory"]) / TRIALS_DIR, run.info.run_name) == 1  # same trial
     assert run.info.status == "FINISHED"
-    assert _steps(client, run.info.run_id) == list(range(1, 13))
+    assert _steps(client, run.info.run_id) == list(range(1, 9))
+
+
+def test_pbt_trials_continue_from_copied_checkpoints(ray_session, tiny_overrides, tmp_path):
+    """PBT, 2 trials perturbed together every 2 steps: the weaker trial continues from the
+    stronger one's checkpoint with a mutated learning rate, and each trial is one MLflow run
+    with the whole step history."""
+    path = _write_sweep(
+        tmp_path,
+        [*tiny_overrides, "training.max_steps=4"],
+        name="pbt",
+        num_samples=2,
+        seed=0,
+        space={"model.n_embd": {"choice": [32, 48]}},
+        scheduler={
+            "kind": "pbt",
+            "perturbation_interval": 2,
+            "synch": True,
+            "quantile_fraction": 0.5,
+            "hyperparam_mutations": {"optim.lr": {"loguniform": [1e-3, 1e-2]}},
+        },
+    )
+    summary = raytrain_lm.sweep(path)
+    assert summary["trials"] == 2 and summary["errored"] == 0 and not summary["interrupted"]
+    uri = next(o.split("=", 1)[1] for o in tiny_overrides if o.startswith("tracking.uri="))
+    client, children, parent = _children(uri, Path(summary["directory"]))
+    assert parent.info.status == "FINISHED"
+    assert len(children) == 2 and len({r.data.tags[TAG_TRIAL] for r in children}) == 2
+    names = {r.info.run_name for r in children}
+    all_runs = client.search_runs([parent.info.experiment_id], max_results=1000)
+    assert sorted(r.info.run_name for r in all_runs if r.info.run_name in names) == sorted(names)
+    copied = 0
+    for run in children:
+        assert run.info.status == "FINISHED", run.info
+        assert _steps(client, run.info.run_id) == [1, 2, 3, 4]
+        run_dir = Path(summary["directory"]) / TRIALS_DIR / run.info.run_name
+        saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+        lr = json.loads(run.data.tags[TAG_PBT_VALUES])["optim.lr"]
+        assert 1e-3 <= lr <= 1e-2 and saved["optim"]["lr"] == lr  # trained with its value
+        donor = run.data.tags.get(TAG_PBT_DONOR)
+        if donor:
+            copied += 1
+            donor_name, step = donor.rsplit("@", 1)
+            assert donor_name in names - {run.info.run_name} and int(step) in (2, 4)
+            restored = [e["restored_step"] for e in read_events(run_dir) if "restored_step" in e]
+            assert int(step) == 4 or int(step) in restored, restored
+    assert copied >= 1  # the weaker trial took the stronger one's checkpoint at least once
+
+
+def test_pbt_sweep_files_are_checked(tmp_path):
+    def pbt(**scheduler):
+        return _write_sweep(tmp_path, [], scheduler={"kind": "pbt", **scheduler})
+
+    with pytest.raises(UserError, match="pbt needs hyperparam_mutations"):
+        load_sweep(pbt())
+    with pytest.raises(UserError, match="PBT cannot change 'model.n_embd' mid-run"):
+        load_sweep(pbt(hyperparam_mutations={"model.n_embd": {"choice": [32, 48]}}))
+    with pytest.raises(UserError, match=r"perturbation_interval \(3\) must be a multiple"):
+        load_sweep(
+            pbt(perturbation_interval=3, hyperparam_mutations={"optim.lr": {"choice": [1e-3]}})
+        )
+    with pytest.raises(UserError, match="need kind: pbt"):
+        load_sweep(_write_sweep(tmp_path, [], scheduler={"perturbation_interval": 2}))
+    sweep = load_sweep(
+        pbt(hyperparam_mutations={"optim.warmup_steps": {"randint": [2, 10]}}, synch=True)
+    )
+    scheduler = _scheduler(sweep)
+    assert scheduler._perturbation_interval == 2 and scheduler._synch
+    # a perturbation (x0.8 or x1.2) stays inside the declared range, and an int stays an int
+    explore = scheduler._custom_explore_fn
+    assert explore({"optim.warmup_steps": 14}) == {"optim.warmup_steps": 9}
+    assert explore({"optim.warmup_steps": 1}) == {"optim.warmup_steps": 2}
 
 
 def test_optuna_search_samples_the_space(tmp_path):

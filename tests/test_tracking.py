@@ -7,7 +7,6 @@ import time
 
 import pytest
 from mlflow.tracking import MlflowClient
-from mlflow_server import MlflowServer
 
 import raytrain_lm
 from raytrain_lm.config import load_config
@@ -35,11 +34,11 @@ def test_secret_looking_keys(key, secret):
 
 
 @pytest.fixture
-def server(tmp_path):
-    server = MlflowServer(tmp_path / "server")
-    server.start()
-    yield server
-    server.stop()
+def server(mlflow_server):
+    """The session's server (conftest.py), running again after the test whatever happened."""
+    yield mlflow_server
+    if mlflow_server.process is None:
+        mlflow_server.start()
 
 
 def test_tracker_buffers_while_the_server_is_down(server):
