@@ -382,7 +382,9 @@ def _scheduler(sweep: Sweep):
         )
     return ASHAScheduler(
         time_attr=TIME_ATTR,
-        max_t=sweep.base["training"]["max_steps"],
+        # One past the last step: a trial that reaches max_steps must end by itself (summary,
+        # final weights, closing its MLflow run), not be stopped by ASHA at its last report.
+        max_t=sweep.base["training"]["max_steps"] + 1,
         grace_period=s.grace_period or every,
         reduction_factor=s.reduction_factor,
     )

@@ -28,12 +28,11 @@ def log_loss_curve(client, run_id: str) -> None:
     if not train:
         return
     val = _history(client, run_id, "val/loss")
-    import matplotlib
+    # Figure, not pyplot: no global backend switch in a user's notebook kernel
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig = Figure(figsize=(6, 4))
+    ax = fig.subplots()
     ax.plot(*zip(*train, strict=True), label="train/loss", linewidth=1)
     if val:
         ax.plot(*zip(*val, strict=True), "o-", label="val/loss")
@@ -46,7 +45,6 @@ def log_loss_curve(client, run_id: str) -> None:
         path = Path(tmp) / LOSS_CURVE
         fig.savefig(path, dpi=100)
         client.log_artifact(run_id, str(path))
-    plt.close(fig)
 
 
 def collect(runs, keys: list[str]) -> list[dict[str, Any]]:
@@ -113,17 +111,13 @@ def format_table(rows: list[dict[str, Any]], keys: list[str]) -> str:
 def plot_report(rows: list[dict[str, Any]], keys: list[str], client, out: str | Path) -> Path:
     """Val loss against each swept key (one panel each), then the val loss curves of the
     best trials."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
 
     scored = [r for r in rows if r["val_loss"] is not None]
     panels = len(keys) + 1
     cols = min(panels, 3)
-    fig, axes = plt.subplots(
-        math.ceil(panels / cols), cols, figsize=(4.5 * cols, 3.6 * math.ceil(panels / cols))
-    )
+    fig = Figure(figsize=(4.5 * cols, 3.6 * math.ceil(panels / cols)))
+    axes = fig.subplots(math.ceil(panels / cols), cols)
     axes = list(getattr(axes, "flat", [axes]))
     for ax, key in zip(axes, keys, strict=False):
         xs, ys, labels = [], [], []
@@ -159,7 +153,6 @@ def plot_report(rows: list[dict[str, Any]], keys: list[str], client, out: str | 
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100)
-    plt.close(fig)
     return out
 
 
