@@ -12,6 +12,25 @@ def _log_level() -> str:
     return os.environ.get("RAY_LOGGING_LEVEL", "INFO")
 
 
+def _named_dashboard() -> dict:
+    """Dashboard arguments for a local Ray whose processes know its API server's address.
+
+    Ray Train frees a stopped run's placement group from a helper that otherwise finds the
+    cluster by scanning this machine: with a second Ray running here (another user, a test
+    suite) it finds several, gives up, and the run's CPUs stay reserved. The environment
+    variable, set before the Ray processes start, is inherited by all of them.
+    """
+    import socket
+
+    if os.environ.get("RAY_API_SERVER_ADDRESS"):
+        return {}
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    os.environ["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"
+    return {"include_dashboard": True, "dashboard_host": "127.0.0.1", "dashboard_port": port}
+
+
 def cpus_needed(scaling: ScalingConfig, workers: int | None = None) -> float:
     workers = scaling.max_size if workers is None else workers
     return workers * scaling.cpus_per_worker + scaling.data_cpus
@@ -38,7 +57,11 @@ def ensure_ray(scaling: ScalingConfig) -> None:
         else:
             logical = max(os.cpu_count() or 1, int(cpus_needed(scaling) + 0.999))
             ray.init(
-                address="local", num_cpus=logical, log_to_driver=True, logging_level=_log_level()
+                address="local",
+                num_cpus=logical,
+                log_to_driver=True,
+                logging_level=_log_level(),
+                **_named_dashboard(),
             )
     check_schedulable(scaling, ray.cluster_resources(), fixed_size=not joins_cluster(scaling))
 
@@ -102,4 +125,5 @@ def ensure_local_ray() -> None:
                 num_cpus=max(4, os.cpu_count() or 1),
                 log_to_driver=True,
                 logging_level=_log_level(),
+                **_named_dashboard(),
             )

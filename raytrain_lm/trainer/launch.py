@@ -221,7 +221,9 @@ def train(
         "wall_s": round(time.time() - started, 1),
         "mlflow_run_id": tracker.run_id if tracker else None,
         "checkpoint": str(final),
-        "goodput": {k.split("/", 1)[1]: round(v, 4) for k, v in goodput.items()},
+        "goodput": {
+            k.removeprefix("goodput/").replace("/", "_"): round(v, 4) for k, v in goodput.items()
+        },
     }
     (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
     if tracker is not None:
