@@ -107,6 +107,8 @@ def up(
         "RAY_AUTH_MODE": "token",
         # Job entrypoints run `python`: the one this package is installed in.
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+        # This cluster's own API server, never one inherited from another Ray on the machine.
+        "RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{dash_port}",
     }
     command = [
         _ray_executable(),

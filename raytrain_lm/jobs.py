@@ -130,6 +130,9 @@ def entrypoint(
     return " ".join(args), cfg
 
 
+AGENT_WAIT_S = 120
+
+
 def submit(
     config: str | None,
     overrides: list[str],
@@ -144,19 +147,27 @@ def submit(
     command, cfg = entrypoint(config, overrides, working, storage)
     jobs = client(address)
     submission_id = job_id or f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    try:
-        submitted = jobs.submit_job(
-            entrypoint=command,
-            submission_id=submission_id,
-            runtime_env={
-                "working_dir": str(working.resolve()),
-                "excludes": UPLOAD_EXCLUDES,
-                "env_vars": {"RAY_TRAIN_V2_ENABLED": "1"},
-            },
-            metadata={"raytrain_lm_run": cfg.name},
-        )
-    except Exception as exc:
-        raise UserError(f"submit failed: {_first_line(exc)}") from None
+    # A head that just started may not have its job agent registered yet; the server says
+    # "try again later", so do, for a while.
+    deadline = time.monotonic() + AGENT_WAIT_S
+    while True:
+        try:
+            submitted = jobs.submit_job(
+                entrypoint=command,
+                submission_id=submission_id,
+                runtime_env={
+                    "working_dir": str(working.resolve()),
+                    "excludes": UPLOAD_EXCLUDES,
+                    "env_vars": {"RAY_TRAIN_V2_ENABLED": "1"},
+                },
+                metadata={"raytrain_lm_run": cfg.name},
+            )
+            break
+        except Exception as exc:
+            if "No available agent" in str(exc) and time.monotonic() < deadline:
+                time.sleep(3)
+                continue
+            raise UserError(f"submit failed: {_first_line(exc)}") from None
     return {"job_id": submitted, "entrypoint": command, "address": resolve_address(address)}
 
 

@@ -12,23 +12,36 @@ def _log_level() -> str:
     return os.environ.get("RAY_LOGGING_LEVEL", "INFO")
 
 
-def _named_dashboard() -> dict:
-    """Dashboard arguments for a local Ray whose processes know its API server's address.
+def _init_local_ray(**kwargs) -> None:
+    """Starts a local Ray whose processes know its API server's address.
 
     Ray Train frees a stopped run's placement group from a helper that otherwise finds the
     cluster by scanning this machine: with a second Ray running here (another user, a test
-    suite) it finds several, gives up, and the run's CPUs stay reserved. The environment
-    variable, set before the Ray processes start, is inherited by all of them.
+    suite) it finds several, gives up, and the run's CPUs stay reserved. Ray's processes
+    inherit the variable when they start; it is removed again so that this process's own
+    subprocesses (another cluster's `ray start`, say) do not.
     """
     import socket
 
+    import ray
+
     if os.environ.get("RAY_API_SERVER_ADDRESS"):
-        return {}
+        ray.init(address="local", **kwargs)
+        return
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     os.environ["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"
-    return {"include_dashboard": True, "dashboard_host": "127.0.0.1", "dashboard_port": port}
+    try:
+        ray.init(
+            address="local",
+            include_dashboard=True,
+            dashboard_host="127.0.0.1",
+            dashboard_port=port,
+            **kwargs,
+        )
+    finally:
+        os.environ.pop("RAY_API_SERVER_ADDRESS", None)
 
 
 def cpus_needed(scaling: ScalingConfig, workers: int | None = None) -> float:
@@ -56,13 +69,7 @@ def ensure_ray(scaling: ScalingConfig) -> None:
             ray.init(address=scaling.ray_address, log_to_driver=True)
         else:
             logical = max(os.cpu_count() or 1, int(cpus_needed(scaling) + 0.999))
-            ray.init(
-                address="local",
-                num_cpus=logical,
-                log_to_driver=True,
-                logging_level=_log_level(),
-                **_named_dashboard(),
-            )
+            _init_local_ray(num_cpus=logical, log_to_driver=True, logging_level=_log_level())
     check_schedulable(scaling, ray.cluster_resources(), fixed_size=not joins_cluster(scaling))
 
 
@@ -120,10 +127,8 @@ def ensure_local_ray() -> None:
             ray.init(log_to_driver=True)
         else:
             # logical CPUs also cover the default training run that usually follows
-            ray.init(
-                address="local",
+            _init_local_ray(
                 num_cpus=max(4, os.cpu_count() or 1),
                 log_to_driver=True,
                 logging_level=_log_level(),
-                **_named_dashboard(),
             )
