@@ -333,6 +333,20 @@ def _fix_yaml_floats(node: Any) -> Any:
     return node
 
 
+def read_yaml_file(path: str | Path, what: str) -> Any:
+    """The parsed YAML of `path`; a missing file or bad syntax is a one-line UserError."""
+    file = Path(path)
+    if not file.is_file():
+        raise UserError(f"{what} file not found: {path}")
+    try:
+        return yaml.safe_load(file.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or "invalid YAML"
+        raise UserError(f"{path}: YAML syntax error{where}: {problem}") from None
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
     """Builds the run config from an optional YAML file and `section.key=value` overrides.
 
@@ -342,16 +356,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     origin = "defaults"
     if path is not None:
         origin = str(path)
-        file = Path(path)
-        if not file.is_file():
-            raise UserError(f"config file not found: {path}")
-        try:
-            loaded = yaml.safe_load(file.read_text(encoding="utf-8"))
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-            problem = getattr(exc, "problem", None) or "invalid YAML"
-            raise UserError(f"{path}: YAML syntax error{where}: {problem}") from None
+        loaded = read_yaml_file(path, "config")
         if loaded is None:
             loaded = {}
         if not isinstance(loaded, dict):

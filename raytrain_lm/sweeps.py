@@ -30,7 +30,6 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from ray.train import UserCallback
 from ray.tune import Callback
@@ -44,6 +43,7 @@ from raytrain_lm.config import (
     _set_dotted,
     flatten,
     load_config,
+    read_yaml_file,
 )
 from raytrain_lm.errors import UserError
 
@@ -205,14 +205,7 @@ def load_sweep(path: str | Path, overrides: list[str] | None = None) -> Sweep:
     """
     origin = str(path)
     file = Path(path)
-    if not file.is_file():
-        raise UserError(f"sweep file not found: {path}")
-    try:
-        raw = yaml.safe_load(file.read_text(encoding="utf-8"))
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise UserError(f"{path}: YAML syntax error{where}") from None
+    raw = read_yaml_file(file, "sweep")
     if not isinstance(raw, dict):
         raise UserError(f"{path}: top level must be a mapping with at least `space:`")
     try:
