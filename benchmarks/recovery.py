@@ -26,21 +26,20 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import raytrain_lm  # noqa: E402
-from raytrain_lm.chaos import Background, LocalCluster, segments, wait_for_event  # noqa: E402
+from raytrain_lm.chaos import (  # noqa: E402
+    TINY_MODEL,
+    Background,
+    LocalCluster,
+    segments,
+    wait_for_event,
+)
 from raytrain_lm.config import load_config  # noqa: E402
 from raytrain_lm.trainer.goodput import read_events  # noqa: E402
 
 TINY = [
-    "model.n_layer=2",
-    "model.n_head=2",
-    "model.n_embd=32",
-    "model.block_size=32",
-    "data.sources=builtin:python-docs",
-    "data.max_source_bytes=300000",
+    *TINY_MODEL,
     "training.global_batch_size=12",
     "training.eval_every=100000",
-    "training.progress=false",
-    "training.sample_tokens=0",
     "tracking.enabled=false",
     "scaling.min_workers=2",
     "scaling.max_workers=3",

@@ -18,6 +18,17 @@ from typing import Any
 from raytrain_lm.trainer.goodput import read_events
 
 SLOT = "trainslot"
+# A run that trains in seconds on a laptop CPU: a 2-layer model on text that ships with Python.
+TINY_MODEL = [
+    "model.n_layer=2",
+    "model.n_head=2",
+    "model.n_embd=32",
+    "model.block_size=32",
+    "data.sources=builtin:python-docs",
+    "data.max_source_bytes=300000",
+    "training.progress=false",
+    "training.sample_tokens=0",
+]
 # Notice a dead node in about 3 s instead of Ray's default 30 s or more.
 FAST_HEALTH_CHECKS = {
     "health_check_period_ms": 1000,

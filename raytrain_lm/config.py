@@ -229,6 +229,12 @@ class TrackingConfig(_Section):
     enabled: bool = True
     uri: str | None = Field(None, description="MLflow URI; else $MLFLOW_TRACKING_URI; else sqlite")
     experiment: str = "raytrain-lm"
+    start_wait_s: float = Field(
+        600.0,
+        ge=0,
+        description="how long a run (or a sweep's trial) waits for an unreachable tracking "
+        "store before it starts; once running, an outage only buffers metrics",
+    )
 
 
 class RunConfig(_Section):
@@ -270,7 +276,7 @@ class RunConfig(_Section):
 # ----------------------------------------------------------------------------- loading
 
 
-def _closest_key(model: type[BaseModel], loc: tuple[Any, ...]) -> str:
+def closest_key_hint(model: type[BaseModel], loc: tuple[Any, ...]) -> str:
     """Names the valid key nearest to an unknown one at `loc` (a pydantic error location)."""
     section: type[BaseModel] = model
     for part in loc[:-1]:
@@ -287,12 +293,12 @@ def _closest_key(model: type[BaseModel], loc: tuple[Any, ...]) -> str:
     return f"; did you mean '{prefix + '.' if prefix else ''}{match[0]}'?"
 
 
-def _format_validation_error(err: ValidationError, origin: str) -> str:
+def format_validation_error(err: ValidationError, origin: str) -> str:
     first = err.errors()[0]
     loc = tuple(first["loc"])
     key = ".".join(str(p) for p in loc)
     if first["type"] == "extra_forbidden":
-        return f"{origin}: unknown key '{key}'{_closest_key(RunConfig, loc)}"
+        return f"{origin}: unknown key '{key}'{closest_key_hint(RunConfig, loc)}"
     message = first["msg"].removeprefix("Value error, ")
     if not key:
         return f"{origin}: {message}"
@@ -308,12 +314,11 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         value = yaml.safe_load(raw) if raw.strip() else None
     except yaml.YAMLError as exc:
         raise UserError(f"override '{text}': cannot parse value: {exc}".splitlines()[0]) from None
-    if isinstance(value, str) and re.fullmatch(r"[-+]?\d*\.?\d+[eE][-+]?\d+", value):
-        value = float(value)  # YAML 1.1 reads "3e-4" as a string
-    return key.split("."), value
+    return key.split("."), fix_yaml_floats(value)
 
 
-def _set_dotted(tree: dict[str, Any], path: list[str], value: Any) -> None:
+def set_dotted(tree: dict[str, Any], path: list[str], value: Any) -> None:
+    """tree[path[0]][path[1]]... = value, creating sections on the way."""
     node = tree
     for part in path[:-1]:
         child = node.setdefault(part, {})
@@ -323,11 +328,12 @@ def _set_dotted(tree: dict[str, Any], path: list[str], value: Any) -> None:
     node[path[-1]] = value
 
 
-def _fix_yaml_floats(node: Any) -> Any:
+def fix_yaml_floats(node: Any) -> Any:
+    """`node` with strings such as "3e-4" turned into floats (YAML 1.1 reads them as strings)."""
     if isinstance(node, dict):
-        return {k: _fix_yaml_floats(v) for k, v in node.items()}
+        return {k: fix_yaml_floats(v) for k, v in node.items()}
     if isinstance(node, list):
-        return [_fix_yaml_floats(v) for v in node]
+        return [fix_yaml_floats(v) for v in node]
     if isinstance(node, str) and re.fullmatch(r"[-+]?\d*\.?\d+[eE][-+]?\d+", node):
         return float(node)
     return node
@@ -361,15 +367,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             loaded = {}
         if not isinstance(loaded, dict):
             raise UserError(f"{path}: top level must be a mapping of sections")
-        tree = _fix_yaml_floats(loaded)
+        tree = fix_yaml_floats(loaded)
     for text in overrides or []:
         keys, value = parse_override(text)
-        _set_dotted(tree, keys, value)
+        set_dotted(tree, keys, value)
         origin = f"{origin} + overrides" if "overrides" not in origin else origin
     try:
         return RunConfig.model_validate(tree)
     except ValidationError as err:
-        raise UserError(_format_validation_error(err, origin)) from None
+        raise UserError(format_validation_error(err, origin)) from None
 
 
 def flatten(cfg: BaseModel | dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -22,6 +22,7 @@ import difflib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -37,13 +38,13 @@ from ray.tune import Callback
 from raytrain_lm.config import (
     RUN_NAME_PATTERN,
     RunConfig,
-    _closest_key,
-    _fix_yaml_floats,
-    _format_validation_error,
-    _set_dotted,
+    closest_key_hint,
+    fix_yaml_floats,
     flatten,
+    format_validation_error,
     load_config,
     read_yaml_file,
+    set_dotted,
 )
 from raytrain_lm.errors import UserError
 
@@ -139,7 +140,7 @@ def _check_key(origin: str, key: str) -> None:
     for i, part in enumerate(parts):
         field = section.model_fields.get(part)
         if field is None:
-            hint = _closest_key(RunConfig, tuple(parts[: i + 1]))
+            hint = closest_key_hint(RunConfig, tuple(parts[: i + 1]))
             raise _origin_error(origin, f"space: unknown key '{key}'{hint}")
         annotation = field.annotation
         is_section = isinstance(annotation, type) and issubclass(annotation, BaseModel)
@@ -153,11 +154,11 @@ def _check_key(origin: str, key: str) -> None:
 
 def _check_value(origin: str, base: dict[str, Any], key: str, value: Any) -> None:
     tree = copy.deepcopy(base)
-    _set_dotted(tree, key.split("."), value)
+    set_dotted(tree, key.split("."), value)
     try:
         RunConfig.model_validate(tree)
     except ValidationError as err:
-        raise _origin_error(origin, f"space: {_format_validation_error(err, key)}") from None
+        raise _origin_error(origin, f"space: {format_validation_error(err, key)}") from None
 
 
 def _check_space(origin: str, space: dict[str, dict[str, Any]], base: dict[str, Any]) -> None:
@@ -209,7 +210,7 @@ def load_sweep(path: str | Path, overrides: list[str] | None = None) -> Sweep:
     if not isinstance(raw, dict):
         raise UserError(f"{path}: top level must be a mapping with at least `space:`")
     try:
-        spec = SweepSpec.model_validate(_fix_yaml_floats(raw))
+        spec = SweepSpec.model_validate(fix_yaml_floats(raw))
     except ValidationError as err:
         first = err.errors()[0]
         loc = tuple(str(p) for p in first["loc"])
@@ -401,12 +402,12 @@ def trial_run_name(sweep_name: str, trial_id: str) -> str:
 def trial_config(base: dict[str, Any], values: dict[str, Any], run_name: str, trials_dir: str):
     tree = copy.deepcopy(base)
     for key, value in values.items():
-        _set_dotted(tree, key.split("."), value)
+        set_dotted(tree, key.split("."), value)
     tree["name"], tree["output_dir"] = run_name, trials_dir
     try:
         return RunConfig.model_validate(tree)
     except ValidationError as err:
-        raise UserError(_format_validation_error(err, f"trial {run_name}")) from None
+        raise UserError(format_validation_error(err, f"trial {run_name}")) from None
 
 
 class ReportToTune(UserCallback):
@@ -703,6 +704,7 @@ def _open_parent(sweep: Sweep, record: dict[str, Any], git_commit: str | None):
             "raytrain_lm.kind": "sweep",
             "mlflow.source.git.commit": git_commit,
         },
+        wait_s=sweep.base["tracking"]["start_wait_s"],
     )
     parent.log_params(
         {
@@ -813,12 +815,19 @@ def run_sweep(sweep: Sweep) -> dict[str, Any]:
         f"{record['tracking_uri']}",
         flush=True,
     )
+    # Tune installs its own Ctrl-C handler (first press: save state and stop trials) and
+    # leaves it in place; a notebook or script that goes on after the sweep gets its own back.
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous_handler = signal.getsignal(signal.SIGINT) if in_main_thread else None
     try:
         grid = tuner.fit()
     except BaseException:
         _settle_children(runs, {}, set())
         parent.finish("KILLED")
         raise
+    finally:
+        if in_main_thread and previous_handler is not None:
+            signal.signal(signal.SIGINT, previous_handler)
     # Tune marks the last result of a trial that ended (ran out, or stopped by the scheduler)
     # `done`; a trial still running or pending when the driver stopped has neither that nor
     # an error. Trial statuses cannot tell: on Ctrl-C Tune saves its state, then stops the

@@ -95,6 +95,14 @@ def _spool_dir() -> Path:
     return Path(os.environ.get(SPOOL_ENV) or Path(tempfile.gettempdir()) / "raytrain-lm-spool")
 
 
+def _retry_on_our_schedule(uri: str) -> None:
+    if uri.startswith(("http://", "https://")):
+        # We retry on our own schedule (a background thread, or the wait to open a run);
+        # MLflow's default of 7 retries with exponential backoff holds each call for minutes.
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
+
+
 def _permanent(exc: Exception) -> bool:
     """Errors that retrying cannot fix (a deleted run, a malformed value): drop, don't loop."""
     from mlflow.exceptions import MlflowException
@@ -108,17 +116,15 @@ class MLflowTracker:
     def __init__(self, uri: str, run_id: str, flush_every: int = 50, flush_wait_s: float = 10.0):
         from mlflow.tracking import MlflowClient
 
-        if uri.startswith(("http://", "https://")):
-            # We retry on our own schedule from a background thread; MLflow's default of 7
-            # retries with exponential backoff would hold each attempt for minutes.
-            os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
-            os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
+        _retry_on_our_schedule(uri)
         self.client = MlflowClient(tracking_uri=uri)
         self.uri, self.run_id = uri, run_id
         self._flush_every = flush_every
         self._flush_wait_s = flush_wait_s
         self._pending: list = []  # metrics not yet stored, oldest first
         self._artifacts: list[tuple[str, str | None]] = []  # artifacts that failed to upload
+        self._params: list = []  # params and tags that could not be logged yet
+        self._tags: list = []
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._attempted = threading.Condition(self._lock)
@@ -138,10 +144,50 @@ class MLflowTracker:
         run_id: str | None,
         parent_run_id: str | None = None,
         tags: dict[str, Any] | None = None,
+        wait_s: float = 600.0,
     ) -> MLflowTracker:
         """Opens `run_id` again when given (a resumed run), else the child of `parent_run_id`
         named `run_name` if one exists (a trial restarted before it recorded its run id), else
-        creates a new MLflow run, nested under `parent_run_id` when given."""
+        creates a new MLflow run, nested under `parent_run_id` when given.
+
+        A run cannot start without its run id, so while the store is unreachable this waits
+        for it, up to `wait_s` (a sweep's trial or a restart during an outage), then raises."""
+        _retry_on_our_schedule(uri)
+        deadline = time.monotonic() + wait_s
+        warned = False
+        while True:
+            try:
+                tracker = cls._open(uri, experiment, run_name, run_id, parent_run_id)
+                break
+            except Exception as exc:
+                if _permanent(exc) or time.monotonic() >= deadline:
+                    raise
+                if not warned:
+                    print(
+                        f"[raytrain-lm] warning: tracking store {uri} unreachable "
+                        f"({type(exc).__name__}); waiting up to {wait_s:.0f} s to open run "
+                        f"'{run_name}' (tracking.start_wait_s)",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    warned = True
+                time.sleep(min(5.0, max(0.0, deadline - time.monotonic())))
+        if warned:
+            print(f"[raytrain-lm] tracking store {uri} reachable again", file=sys.stderr)
+        if tags:
+            tracker.set_tags(tags)
+        tracker._adopt_spools()
+        return tracker
+
+    @classmethod
+    def _open(
+        cls,
+        uri: str,
+        experiment: str,
+        run_name: str,
+        run_id: str | None,
+        parent_run_id: str | None,
+    ) -> MLflowTracker:
         from mlflow.tracking import MlflowClient
 
         client = MlflowClient(tracking_uri=uri)
@@ -150,8 +196,10 @@ class MLflowTracker:
             try:
                 client.update_run(run_id, status="RUNNING")
                 tracker = cls(uri, run_id)
-            except Exception:  # the store was reset: start afresh rather than fail the run
-                pass
+            except Exception as exc:
+                if not _permanent(exc):
+                    raise  # the store is down: wait for it, do not open a second run
+                # the run is gone (a store that was reset): start afresh rather than fail
         if tracker is None:
             found = client.get_experiment_by_name(experiment)
             experiment_id = found.experiment_id if found else client.create_experiment(experiment)
@@ -170,30 +218,47 @@ class MLflowTracker:
                 nested = {"mlflow.parentRunId": parent_run_id} if parent_run_id else {}
                 run = client.create_run(experiment_id, run_name=run_name, tags=nested)
                 tracker = cls(uri, run.info.run_id)
-        if tags:
-            tracker.set_tags(tags)
-        tracker._adopt_spools()
         return tracker
 
     # ------------------------------------------------------------------ params, tags, artifacts
 
     def log_params(self, params: dict[str, Any]) -> None:
+        """Logs now, or keeps them and logs when the store is back."""
         from mlflow.entities import Param
 
-        items = [Param(k, str(v)[:6000]) for k, v in redact(params).items()]
-        for i in range(0, len(items), 100):
-            try:
-                self.client.log_batch(self.run_id, params=items[i : i + 100])
-            except Exception as exc:  # same keys logged by an earlier attempt of this run
-                if "already logged" not in str(exc) and "Changing param" not in str(exc):
-                    raise
+        self._log_now_or_later(
+            "_params", [Param(k, str(v)[:6000]) for k, v in redact(params).items()]
+        )
 
     def set_tags(self, tags: dict[str, Any]) -> None:
+        """Sets now, or keeps them and sets when the store is back."""
         from mlflow.entities import RunTag
 
         items = [RunTag(k, str(v)[:5000]) for k, v in redact(tags).items() if v is not None]
-        if items:
-            self.client.log_batch(self.run_id, tags=items)
+        self._log_now_or_later("_tags", items)
+
+    def _log_now_or_later(self, kind: str, items: list) -> None:
+        try:
+            self._log_batch(kind, items)
+        except Exception as exc:
+            if _permanent(exc):
+                raise
+            self._note_failure(exc)
+            with self._lock:
+                getattr(self, kind).extend(items)
+            self._ensure_thread()
+
+    def _log_batch(self, kind: str, items: list) -> None:
+        for i in range(0, len(items), 100):
+            chunk = items[i : i + 100]
+            try:
+                if kind == "_params":
+                    self.client.log_batch(self.run_id, params=chunk)
+                else:
+                    self.client.log_batch(self.run_id, tags=chunk)
+            except Exception as exc:  # same params logged by an earlier attempt of this run
+                if "already logged" not in str(exc) and "Changing param" not in str(exc):
+                    raise
 
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
         """Uploads now, or keeps the file's path and uploads when the store is back."""
@@ -235,7 +300,7 @@ class MLflowTracker:
         while True:
             self._attempt_and_wait(max(1.0, deadline - time.monotonic()))
             with self._lock:
-                left = len(self._pending) + len(self._artifacts)
+                left = self._unsent()
             if not left:
                 try:
                     self.client.set_terminated(self.run_id, status=status)
@@ -245,7 +310,8 @@ class MLflowTracker:
             if time.monotonic() >= deadline:
                 print(
                     f"[raytrain-lm] warning: tracking store {self.uri} still unreachable; "
-                    f"{left} metrics/artifacts of run {self.run_id} kept in {self._spool.parent}",
+                    f"{left} metrics/params/artifacts of run {self.run_id} not sent; metrics "
+                    f"kept in {self._spool.parent}",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -266,7 +332,7 @@ class MLflowTracker:
     def _attempt_and_wait(self, timeout: float) -> None:
         self._ensure_thread()
         with self._lock:
-            if not self._pending and not self._artifacts:
+            if not self._unsent():
                 return
             target = self._attempts + 1
             self._retry_at = 0.0  # an explicit flush tries now, backoff or not
@@ -279,15 +345,25 @@ class MLflowTracker:
             self._wake.wait(timeout=5.0)
             self._wake.clear()
             with self._lock:
-                idle = not self._pending and not self._artifacts
+                idle = not self._unsent()
                 waiting = time.monotonic() < self._retry_at
             if idle or waiting:
                 continue
             self._send_all()
 
+    def _unsent(self) -> int:
+        return len(self._pending) + len(self._artifacts) + len(self._params) + len(self._tags)
+
     def _send_all(self) -> None:
         sent, error = 0, None
         try:
+            for kind in ("_params", "_tags"):
+                with self._lock:
+                    items = list(getattr(self, kind))
+                if items:
+                    self._log_batch(kind, items)
+                    with self._lock:
+                        del getattr(self, kind)[: len(items)]
             while True:
                 with self._lock:
                     chunk = self._pending[:1000]

@@ -8,20 +8,15 @@ from pathlib import Path
 
 import pytest
 
+from raytrain_lm.chaos import TINY_MODEL
+
 os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
 TINY = [
-    "model.n_layer=2",
-    "model.n_head=2",
-    "model.n_embd=32",
-    "model.block_size=32",
-    "data.sources=builtin:python-docs",
-    "data.max_source_bytes=300000",
+    *TINY_MODEL,
     "training.global_batch_size=8",
     "training.eval_sequences=64",
-    "training.progress=false",
-    "training.sample_tokens=0",
     "optim.warmup_steps=2",
 ]
 

@@ -224,6 +224,60 @@ def test_driver_killed_then_same_command_resumes(cluster, chaos_overrides, tmp_p
     _assert_exactly_once(run_dir, steps)
 
 
+def test_sweep_trial_on_a_removed_node_resumes(cluster, chaos_overrides, tmp_path, monkeypatch):
+    """A sweep's trial loses a node mid-run: its Ray Train run shrinks and continues from its
+    last checkpoint inside the same trial, and MLflow shows the trial once, with every step."""
+    from mlflow.tracking import MlflowClient
+
+    from raytrain_lm.sweeps import TRIALS_DIR
+
+    steps = 300
+    sweep_file = tmp_path / "spot.yaml"
+    sweep_file.write_text(
+        "space: {optim.lr: {choice: [0.003]}}\nscheduler: fifo\nmax_concurrent_trials: 1\n"
+    )
+    overrides = [
+        *chaos_overrides,
+        "scaling.min_workers=2",
+        "scaling.max_workers=3",
+        f"training.max_steps={steps}",
+        "training.eval_every=25",
+        "checkpoint.every_steps=25",
+    ]
+    monkeypatch.setenv(faults.ENV_VAR, "slow-steps:seconds=0.1")
+    run = Background(lambda: raytrain_lm.sweep(sweep_file, overrides))
+    trials = tmp_path / "runs" / "spot" / TRIALS_DIR
+    deadline = time.time() + 240
+    while not list(trials.glob("*/checkpoint_*/COMPLETE")):
+        assert run.running and time.time() < deadline, run.error or "no trial checkpoint"
+        time.sleep(0.5)
+    (run_dir,) = [p for p in trials.iterdir() if p.is_dir()]
+    assert segments(run_dir)[-1]["world_size"] == 3
+
+    killed_at = time.time()
+    cluster.kill_node()
+    shrunk = wait_for_event(
+        run_dir,
+        lambda e: e["event"] == "segment_start" and e["world_size"] == 2,
+        120,
+        after=killed_at,
+        still_running=run,
+    )
+    assert shrunk["restored_step"] >= 25
+
+    summary = run.wait(600)
+    assert summary["trials"] == 1 and summary["errored"] == 0 and not summary["interrupted"]
+    (row,) = summary["ranked"]
+    assert row["status"] == "FINISHED" and row["tokens"] == steps * GLOBAL_BATCH * 32
+    starts = (trials / f"{run_dir.name}.starts").read_text().splitlines()
+    assert len(starts) == 1  # Ray Train recovered inside the trial; Tune did not restart it
+    _assert_exactly_once(run_dir, steps)
+    uri = next(o.split("=", 1)[1] for o in overrides if o.startswith("tracking.uri="))
+    client = MlflowClient(tracking_uri=uri)
+    history = client.get_metric_history(row["run_id"], "train/loss")
+    assert sorted({m.step for m in history}) == list(range(1, steps + 1))
+
+
 def _wait_for_checkpoint(run_dir: Path, run: Background, timeout: float = 120) -> None:
     deadline = time.time() + timeout
     while not complete_checkpoints(run_dir):

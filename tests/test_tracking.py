@@ -42,27 +42,57 @@ def server(mlflow_server):
 
 
 def test_tracker_buffers_while_the_server_is_down(server):
-    """Params and tags are redacted; metrics logged while the server is down are sent when it
-    is back; flush never raises and returns promptly meanwhile."""
+    """Params and tags are redacted; metrics, params and tags logged while the server is down
+    are sent when it is back; flush never raises and returns promptly meanwhile. A run opened
+    during the outage (a restarted trial) waits for the server and reopens the same MLflow
+    run; a new one is created once the server answers."""
     tracker = MLflowTracker.start(server.uri, "down", "buffered", None, tags={"db_password": "x"})
     tracker.log_params({"optim.lr": 0.1, "hf_token": "hf_abc"})
     tracker.log_metrics({"train/loss": 1.0}, step=1)
     tracker.flush()
     server.stop()
+    with pytest.raises(Exception):  # noqa: B017 (whatever MLflow raises for a refused connection)
+        MLflowTracker.start(server.uri, "down", "no-wait", None, wait_s=0)
+    opened: dict = {}
+
+    def open_run(key: str, run_id: str | None) -> None:
+        opened[key] = MLflowTracker.start(
+            server.uri, "down", key, run_id, tags={"phase": "outage"}, wait_s=300
+        )
+
+    openers = [
+        threading.Thread(target=open_run, args=("buffered", tracker.run_id)),
+        threading.Thread(target=open_run, args=("fresh", None)),
+    ]
+    for thread in openers:
+        thread.start()
     for step in range(2, 120):
         tracker.log_metrics({"train/loss": 1.0 / step}, step=step)
+    tracker.log_params({"late.param": 3})
+    tracker.set_tags({"late_tag": "yes"})
     started = time.monotonic()
     tracker.flush()  # the store is down: one failed attempt, no exception
     assert time.monotonic() - started < 30
+    assert all(thread.is_alive() for thread in openers) and not opened  # waiting, not failed
     server.start()
     tracker.finish()
+    for thread in openers:
+        thread.join(timeout=120)
+    for reopened in opened.values():
+        reopened.finish()
     client = MlflowClient(tracking_uri=server.uri)
     run = client.get_run(tracker.run_id)
     assert run.info.status == "FINISHED"
-    assert run.data.params == {"optim.lr": "0.1", "hf_token": REDACTED}
-    assert run.data.tags["db_password"] == REDACTED
+    assert run.data.params == {"optim.lr": "0.1", "hf_token": REDACTED, "late.param": "3"}
+    assert run.data.tags["db_password"] == REDACTED and run.data.tags["late_tag"] == "yes"
     steps = sorted(m.step for m in client.get_metric_history(tracker.run_id, "train/loss"))
     assert steps == list(range(1, 120))
+    assert opened["buffered"].run_id == tracker.run_id  # the same run, reopened
+    fresh = client.get_run(opened["fresh"].run_id)
+    assert fresh.info.run_name == "fresh" and fresh.data.tags["phase"] == "outage"
+    experiment = client.get_experiment_by_name("down").experiment_id
+    names = [r.info.run_name for r in client.search_runs([experiment], max_results=100)]
+    assert sorted(names) == ["buffered", "fresh"]  # nothing opened twice
 
 
 def test_training_run_survives_a_tracking_outage(ray_session, tiny_overrides, server, monkeypatch):

@@ -5,6 +5,8 @@
 - `kill-in-checkpoint:step=4:rank=0`: that worker kills its own process (SIGKILL: no cleanup,
   like a lost machine) half-way through writing that step's checkpoint. A marker in the run
   directory keeps the fault from firing again after the restart it causes.
+- `kill-after-checkpoint:step=6:rank=0`: the same, just after that step's checkpoint was
+  reported (complete and on disk), before the next step.
 - `slow-steps:seconds=0.05`: every step takes at least that long, so a test's node changes
   happen mid-run however fast the machine is.
 """

@@ -101,7 +101,13 @@ def _tracking(
     previous = run_dir / TRACKING_FILE
     run_id = json.loads(previous.read_text())["mlflow_run_id"] if previous.is_file() else None
     tracker = MLflowTracker.start(
-        uri, cfg.tracking.experiment, cfg.name, run_id, parent_run_id=parent_run_id, tags=tags
+        uri,
+        cfg.tracking.experiment,
+        cfg.name,
+        run_id,
+        parent_run_id=parent_run_id,
+        tags=tags,
+        wait_s=cfg.tracking.start_wait_s,
     )
     previous.write_text(json.dumps({"tracking_uri": uri, "mlflow_run_id": tracker.run_id}))
     return tracker

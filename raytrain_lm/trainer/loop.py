@@ -289,6 +289,10 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
 
     def report_checkpoint(extra: dict[str, Any] | None = None) -> None:
         nonlocal last_report, ledger
+        # Metrics up to this step are stored before the checkpoint exists: a run resumed from
+        # it never logs those steps again, and the worker may be stopped right after the
+        # report (a resize, or Tune pausing or cloning a trial).
+        tracker.flush()
         state.world_size = world
         report = {
             "step": state.step,
@@ -424,7 +428,6 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
                 break
         if state.step % cfg.checkpoint.every_steps == 0 or last_step:
             report_checkpoint()
-            tracker.flush()
             tick = time.perf_counter()
     beat(force=True)
     watchdog.stop()
@@ -473,3 +476,5 @@ def _report_with_checkpoint(
             )
             checkpoint = ray.train.Checkpoint.from_directory(tmp)
         ray.train.report(report, checkpoint=checkpoint)
+    if run_dir:  # where the fault's fired-once marker lives
+        faults.maybe_fire(fault, "kill-after-checkpoint", state.step, rank, run_dir)
