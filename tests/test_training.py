@@ -95,11 +95,20 @@ def test_ddp_equivalence_across_world_sizes(ray_session, tiny_overrides):
             assert got == pytest.approx(ref, abs=1e-5), (workers, step)
 
 
-def test_resume_is_bit_for_bit(ray_session, tiny_overrides, tmp_path):
+def test_resume_is_bit_for_bit(ray_session, tiny_overrides, tmp_path, monkeypatch):
+    """Stopped after step 5, then resumed; on the way rank 0 is SIGKILLed half-way through
+    writing the step-8 checkpoint, and a planted partial checkpoint (marker present, model
+    file cut short) sits newest on disk. The run restarts from step 5, never loads a partial
+    checkpoint, and ends bit-identical to an uninterrupted run: same weights, same losses at
+    every step, every sequence once, one MLflow run."""
+    from raytrain_lm.data.ledger import read_ledger
+    from raytrain_lm.trainer import faults
+    from raytrain_lm.trainer.checkpoint import complete_checkpoints
+
     common = [
         *tiny_overrides,
         "model.dropout=0.1",
-        "training.max_steps=8",
+        "training.max_steps=12",
         "training.eval_every=4",
         "checkpoint.every_steps=4",
         "training.ledger=true",
@@ -107,20 +116,31 @@ def test_resume_is_bit_for_bit(ray_session, tiny_overrides, tmp_path):
     straight = _run([*common, "name=straight"])
     first = _run([*common, "name=resumed", "training.stop_after_step=5"])
     assert first["steps"] == 5
+    run_dir = tmp_path / "runs" / "resumed"
+    partial = run_dir / "checkpoint_9999-12-31_23-59-59.000000"
+    partial.mkdir()
+    for item in complete_checkpoints(run_dir)[-1].iterdir():
+        (partial / item.name).write_bytes(item.read_bytes())
+    (partial / "train_state.json").write_text('{"step": 11, "tokens": 0, "position": 88}')
+    with open(partial / "model.safetensors", "r+b") as model_file:
+        model_file.truncate(100)
+
+    monkeypatch.setenv(faults.ENV_VAR, "kill-in-checkpoint:step=8:rank=0")
     resumed = _run([*common, "name=resumed"])
-    assert resumed["steps"] == 8 and resumed["mlflow_run_id"] == first["mlflow_run_id"]
+    assert (run_dir / "fault-fired-kill-in-checkpoint-8-0").exists()
+    assert resumed["steps"] == 12 and resumed["mlflow_run_id"] == first["mlflow_run_id"]
+    assert resumed["goodput"]["restarts"] >= 2  # the resume, and the restart after the kill
 
     uri = _uri(common)
-    assert _history(resumed, uri) == _history(straight, uri)
+    # steps 6-8, trained again after the kill, logged the same values twice
+    assert sorted(set(_history(resumed, uri))) == _history(straight, uri)
     a = load_file(str(Path(straight["checkpoint"]) / "model.safetensors"))
     b = load_file(str(Path(resumed["checkpoint"]) / "model.safetensors"))
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a)
 
-    from raytrain_lm.data.ledger import read_ledger
-
-    consumed = read_ledger(tmp_path / "runs" / "resumed")
-    assert consumed.tolist() == list(range(8 * 8))  # every position once, none repeated
+    consumed = read_ledger(run_dir)
+    assert consumed.tolist() == list(range(12 * 8))  # every position once, none repeated
     assert consumed.tolist() == read_ledger(tmp_path / "runs" / "straight").tolist()
 
 
@@ -139,57 +159,44 @@ def test_changed_model_on_resume_is_refused(ray_session, tiny_overrides):
         _run([*overrides, "model.n_layer=3"])
 
 
-def test_exactly_once_across_a_2_3_1_resize(ray_session, tiny_overrides, tmp_path):
-    """Stop and restart with a different number of workers each time: the multiset of trained
-    sequence positions equals an uninterrupted run's, each position exactly once."""
+def test_restarts_at_other_world_sizes_match_an_uninterrupted_run(
+    ray_session, tiny_overrides, tmp_path
+):
+    """Stopped and restarted from checkpoints with a different number of workers each time,
+    2 -> 3 -> 1 and (f.) 4 -> 2 -> 4: the trained sequence positions are an uninterrupted
+    run's, each exactly once; the world size is logged at each (re)start; and the val loss
+    is the uninterrupted run's within noise (fp32)."""
     from raytrain_lm.data.ledger import read_ledger
 
+    steps, batch = 12, 12  # a global batch every world size from 1 to 4 divides
     common = [
         *tiny_overrides,
-        "training.global_batch_size=6",
-        "training.max_steps=9",
-        "training.eval_every=9",
-        "checkpoint.every_steps=3",
-        "training.ledger=true",
-        "data.shuffle_window_shards=1",
-    ]
-    straight = _run([*common, "name=uninterrupted", "scaling.num_workers=2"])
-    for workers, stop in ((2, 3), (3, 6), (1, None)):
-        extra = [f"training.stop_after_step={stop}"] if stop else []
-        summary = _run([*common, "name=resized", f"scaling.num_workers={workers}", *extra])
-        assert summary["steps"] == (stop or 9)
-    assert summary["tokens"] == straight["tokens"] == 9 * 6 * 32
-    resized = read_ledger(tmp_path / "runs" / "resized")
-    assert resized.tolist() == read_ledger(tmp_path / "runs" / "uninterrupted").tolist()
-    assert resized.tolist() == list(range(9 * 6))
-    uri = _uri(common)
-    client = MlflowClient(tracking_uri=uri)
-    sizes = sorted(
-        (m.step, m.value) for m in client.get_metric_history(summary["mlflow_run_id"], "world_size")
-    )
-    assert sizes == [(0, 2.0), (3, 3.0), (6, 1.0)]  # the world size logged at each (re)start
-
-
-def test_resized_run_matches_an_uninterrupted_one(ray_session, tiny_overrides, tmp_path):
-    """f. 4 -> 2 -> 4 workers (stopped and restarted from checkpoints): the same sequences
-    once each, and a val loss within noise of the uninterrupted 4-worker run (fp32)."""
-    from raytrain_lm.data.ledger import read_ledger
-
-    common = [
-        *tiny_overrides,
-        "training.max_steps=24",
-        "training.eval_every=24",
-        "checkpoint.every_steps=8",
+        f"training.global_batch_size={batch}",
+        f"training.max_steps={steps}",
+        f"training.eval_every={steps}",
+        "checkpoint.every_steps=4",
         "training.ledger=true",
         "training.precision=fp32",
         "optim.lr=3e-3",
+        "data.shuffle_window_shards=1",
     ]
-    straight = _run([*common, "name=four", "scaling.num_workers=4"])
-    for workers, stop in ((4, 8), (2, 16), (4, None)):
-        extra = [f"training.stop_after_step={stop}"] if stop else []
-        resized = _run([*common, "name=four-two-four", f"scaling.num_workers={workers}", *extra])
-    assert resized["steps"] == 24 and resized["tokens"] == straight["tokens"]
-    consumed = read_ledger(tmp_path / "runs" / "four-two-four")
-    assert consumed.tolist() == list(range(24 * 8))
-    assert resized["val_loss"] == pytest.approx(straight["val_loss"], abs=1e-3)
-    assert resized["goodput"]["restarts"] == 2
+    straight = _run([*common, "name=uninterrupted", "scaling.num_workers=4"])
+    assert read_ledger(tmp_path / "runs" / "uninterrupted").tolist() == list(range(steps * batch))
+    client = MlflowClient(tracking_uri=_uri(common))
+    for sizes in ((2, 3, 1), (4, 2, 4)):
+        name = "resized-" + "-".join(map(str, sizes))
+        for workers, stop in zip(sizes, (4, 8, None), strict=True):
+            extra = [f"training.stop_after_step={stop}"] if stop else []
+            summary = _run([*common, f"name={name}", f"scaling.num_workers={workers}", *extra])
+            assert summary["steps"] == (stop or steps)
+        assert summary["tokens"] == straight["tokens"] == steps * batch * 32
+        consumed = read_ledger(tmp_path / "runs" / name)
+        assert consumed.tolist() == list(range(steps * batch)), sizes
+        logged = client.get_metric_history(summary["mlflow_run_id"], "world_size")
+        assert sorted((m.step, m.value) for m in logged) == [
+            (0, sizes[0]),
+            (4, sizes[1]),
+            (8, sizes[2]),
+        ]
+        assert summary["val_loss"] == pytest.approx(straight["val_loss"], abs=1e-3), sizes
+        assert summary["goodput"]["restarts"] == 2
