@@ -828,14 +828,18 @@ def run_sweep(sweep: Sweep) -> dict[str, Any]:
     finally:
         if in_main_thread and previous_handler is not None:
             signal.signal(signal.SIGINT, previous_handler)
-    # Tune marks the last result of a trial that ended (ran out, or stopped by the scheduler)
-    # `done`; a trial still running or pending when the driver stopped has neither that nor
-    # an error. Trial statuses cannot tell: on Ctrl-C Tune saves its state, then stops the
-    # running trials, which leaves them TERMINATED in the result grid (RUNNING on disk).
+    # A trial that trained to the end says so in its last report (`done_steps`); Tune marks
+    # the last result of a trial the scheduler stopped `done`. A trial still running or
+    # pending when the driver stopped has neither, nor an error. Trial statuses cannot tell:
+    # on Ctrl-C Tune saves its state, then stops the running trials, which leaves them
+    # TERMINATED in the result grid (RUNNING on disk). Nor can `done` alone: a trial that
+    # finished just before an interrupted driver saved its state may be restored without it.
     completed = {
         r.metrics["trial_id"]: not r.metrics.get("done_steps")
         for r in grid
-        if r.error is None and r.metrics.get("done") and r.metrics.get("trial_id")
+        if r.error is None
+        and (r.metrics.get("done") or r.metrics.get("done_steps"))
+        and r.metrics.get("trial_id")
     }
     errored = {r.metrics["trial_id"] for r in grid if r.error and r.metrics.get("trial_id")}
     errors = sum(1 for r in grid if r.error)
