@@ -18,10 +18,15 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/raytrain-lm train
 
-# Chaos tests need a multi-node Ray of their own, so they run in a second pytest process.
+# Chaos tests need a multi-node Ray of their own and spend most of their time waiting for
+# nodes to die, drain and come back, so they run in a second pytest process beside the others;
+# their output follows. The target fails if either process fails.
 test: $(STAMP)
-	$(VENV)/bin/pytest -q -m "not chaos"
-	$(VENV)/bin/pytest -q -m chaos
+	@$(VENV)/bin/pytest -q -p no:cacheprovider -m chaos > .chaos-tests.log 2>&1 & chaos=$$!; \
+	$(VENV)/bin/pytest -q -m "not chaos"; rest=$$?; \
+	wait $$chaos; chaos_status=$$?; \
+	echo "----- chaos tests (pytest -m chaos), run alongside -----"; cat .chaos-tests.log; \
+	test $$rest -eq 0 && test $$chaos_status -eq 0
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
