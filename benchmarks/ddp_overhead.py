@@ -119,7 +119,9 @@ def main() -> None:
     import ray
 
     work = Path(tempfile.mkdtemp(prefix="raytrain-bench-"))
-    ray.init(num_cpus=4, log_to_driver=False)  # before prepare, which would start its own
+    ray.init(
+        address="local", num_cpus=4, log_to_driver=False
+    )  # before prepare, which would start its own
     cfg = load_config(None, [f"data.cache_dir={work / 'data'}"])
     prepared = prepare(cfg.data)
     pairs: dict[str, list[tuple[float, float]]] = {"ddp2": [], "single": []}

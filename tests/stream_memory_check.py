@@ -76,8 +76,12 @@ def write_corpus(path: Path, docs: int, doc_bytes: int = 1000) -> None:
 def main(data_dir: str) -> None:
     from raytrain_lm.data.manifest import Manifest
 
-    ray.init(
-        num_cpus=3, object_store_memory=OBJECT_STORE, include_dashboard=False, log_to_driver=False
+    ray.init(  # address="local": a Ray of its own, whatever else runs on this machine
+        address="local",
+        num_cpus=3,
+        object_store_memory=OBJECT_STORE,
+        include_dashboard=False,
+        log_to_driver=False,
     )
     manifest = Manifest.load(data_dir)
     train_tokens = manifest.splits["train"].tokens
