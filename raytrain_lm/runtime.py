@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 
 from raytrain_lm.config import ScalingConfig
@@ -54,8 +55,9 @@ def joins_cluster(scaling: ScalingConfig) -> bool:
     return bool(scaling.ray_address or os.environ.get("RAY_ADDRESS"))
 
 
-def ensure_ray(scaling: ScalingConfig) -> None:
-    """Joins `scaling.ray_address`, reuses a running Ray, or starts a local one big enough.
+def ensure_ray(scaling: ScalingConfig, extra_cpus: float = 0.0) -> None:
+    """Joins `scaling.ray_address`, reuses a running Ray, or starts a local one big enough
+    for the run plus `extra_cpus` (a sweep's trial actors).
 
     Locally, logical CPUs may exceed physical cores: Train workers and Ray Data readers then
     share cores, which is fine for tiny models and avoids the pipeline deadlock that happens
@@ -68,7 +70,8 @@ def ensure_ray(scaling: ScalingConfig) -> None:
             # an existing cluster is sized by its own config: no num_cpus here
             ray.init(address=scaling.ray_address, log_to_driver=True)
         else:
-            logical = max(os.cpu_count() or 1, int(cpus_needed(scaling) + 0.999))
+            needed = cpus_needed(scaling) + extra_cpus
+            logical = max(os.cpu_count() or 1, math.ceil(needed))
             _init_local_ray(num_cpus=logical, log_to_driver=True, logging_level=_log_level())
     check_schedulable(scaling, ray.cluster_resources(), fixed_size=not joins_cluster(scaling))
 

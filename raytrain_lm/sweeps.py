@@ -732,7 +732,9 @@ def run_sweep(sweep: Sweep) -> dict[str, Any]:
 
     base_cfg = RunConfig.model_validate(sweep.base)
     default_ray_env()
-    ensure_ray(base_cfg.scaling)
+    # A local Ray sized for one run would leave no room for the trial's own actor: the Train
+    # worker would take its CPU and Ray Data's readers would wait forever.
+    ensure_ray(base_cfg.scaling, extra_cpus=TRIAL_CPU)
     sweep.directory.mkdir(parents=True, exist_ok=True)
     trials_dir = sweep.directory / TRIALS_DIR
     trials_dir.mkdir(exist_ok=True)
