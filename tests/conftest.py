@@ -41,26 +41,11 @@ def ray_session(request):
         yield None
         return
     if not ray.is_initialized():
-        # Ray Train removes the workers' placement group of a run whose controller was killed
-        # (a trial Tune stopped or paused) from a helper that finds the cluster's API server
-        # by scanning this machine; with another Ray running here it finds two, gives up,
-        # and the run's CPUs stay reserved until later trials cannot start. Name ours.
-        # Only Ray's own processes get the variable (they inherit it at start): subprocesses
-        # of the tests, such as another cluster's `ray start`, must not.
-        port = _free_port()
-        os.environ["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"
-        try:
-            # address="local": never join another Ray that happens to run on this machine
-            ray.init(
-                address="local",
-                num_cpus=6,
-                log_to_driver=True,
-                include_dashboard=True,
-                dashboard_host="127.0.0.1",
-                dashboard_port=port,
-            )
-        finally:
-            os.environ.pop("RAY_API_SERVER_ADDRESS", None)
+        # A Ray of its own (never another one on this machine) that names its API server,
+        # as `raytrain-lm` starts one: see runtime._init_local_ray.
+        from raytrain_lm.runtime import _init_local_ray
+
+        _init_local_ray(num_cpus=6, log_to_driver=True)
     yield ray
     ray.shutdown()
 
