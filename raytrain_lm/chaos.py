@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from raytrain_lm.runtime import free_port
 from raytrain_lm.trainer.goodput import read_events
 
 SLOT = "trainslot"
@@ -37,14 +38,6 @@ FAST_HEALTH_CHECKS = {
 }
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 class LocalCluster:
     """A Ray head plus `workers` single-slot worker nodes, connected to this process."""
 
@@ -63,7 +56,7 @@ class LocalCluster:
             head_node_args={
                 "num_cpus": head_cpus,
                 "include_dashboard": True,  # Ray Train V2 polls the state API
-                "dashboard_port": _free_port(),  # another Ray on this machine may hold 8265
+                "dashboard_port": free_port(),  # another Ray on this machine may hold 8265
                 "_system_config": FAST_HEALTH_CHECKS,
             },
         )

@@ -24,6 +24,7 @@ from typing import Any
 import yaml
 
 from raytrain_lm.errors import UserError
+from raytrain_lm.runtime import free_port
 
 DEFAULT_CONFIG = "cluster/local.yaml"
 DEFAULT_DIR = "/tmp/raytrain-lm-cluster"
@@ -31,12 +32,6 @@ STATE_FILE = "cluster.json"
 # Unix socket paths are limited to 107 bytes; Ray puts sockets at
 # <dir>/session_<date>_<pid>/sockets/raylet.<n> (about 60 bytes more).
 MAX_DIR_CHARS = 40
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _ray_executable() -> str:
@@ -93,7 +88,7 @@ def up(
         )
     directory.mkdir(parents=True, exist_ok=True)
     host = "127.0.0.1"
-    port, dash_port = _free_port(), _free_port()
+    port, dash_port = free_port(), free_port()
     address = f"{host}:{port}"
     tree = resolved_config(config, address)
     head_cpus = tree["available_node_types"][tree["head_node_type"]]["resources"].get("CPU", 1)
@@ -120,8 +115,8 @@ def up(
         "--num-gpus=0",
         f"--temp-dir={directory}",
         f"--autoscaling-config={autoscaling}",
-        f"--ray-client-server-port={_free_port()}",
-        f"--dashboard-agent-listen-port={_free_port()}",
+        f"--ray-client-server-port={free_port()}",
+        f"--dashboard-agent-listen-port={free_port()}",
         f"--include-dashboard={'true' if dashboard else 'false'}",
         # The Jobs API runs arbitrary code: only this machine may reach it.
         f"--dashboard-host={host}",

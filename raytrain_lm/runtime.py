@@ -13,7 +13,16 @@ def _log_level() -> str:
     return os.environ.get("RAY_LOGGING_LEVEL", "INFO")
 
 
-def _init_local_ray(**kwargs) -> None:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (another Ray may hold the defaults)."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def init_local_ray(**kwargs) -> None:
     """Starts a local Ray whose processes know its API server's address.
 
     Ray Train frees a stopped run's placement group from a helper that otherwise finds the
@@ -22,16 +31,12 @@ def _init_local_ray(**kwargs) -> None:
     inherit the variable when they start; it is removed again so that this process's own
     subprocesses (another cluster's `ray start`, say) do not.
     """
-    import socket
-
     import ray
 
     if os.environ.get("RAY_API_SERVER_ADDRESS"):
         ray.init(address="local", **kwargs)
         return
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     os.environ["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"
     try:
         ray.init(
@@ -72,7 +77,7 @@ def ensure_ray(scaling: ScalingConfig, extra_cpus: float = 0.0) -> None:
         else:
             needed = cpus_needed(scaling) + extra_cpus
             logical = max(os.cpu_count() or 1, math.ceil(needed))
-            _init_local_ray(num_cpus=logical, log_to_driver=True, logging_level=_log_level())
+            init_local_ray(num_cpus=logical, log_to_driver=True, logging_level=_log_level())
     check_schedulable(scaling, ray.cluster_resources(), fixed_size=not joins_cluster(scaling))
 
 
@@ -130,7 +135,7 @@ def ensure_local_ray() -> None:
             ray.init(log_to_driver=True)
         else:
             # logical CPUs also cover the default training run that usually follows
-            _init_local_ray(
+            init_local_ray(
                 num_cpus=max(4, os.cpu_count() or 1),
                 log_to_driver=True,
                 logging_level=_log_level(),

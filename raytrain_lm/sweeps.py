@@ -318,16 +318,33 @@ def param_space(
     return {key: make[kind](args) for key, e in space.items() for kind, args in e.items()}
 
 
-def derive_max_concurrent(cfg: RunConfig, resources: dict[str, float], gpu: bool) -> int:
+def derive_max_concurrent(
+    cfg: RunConfig, resources: dict[str, float], gpu: bool, fixed_size: bool = True
+) -> int:
     """How many trials fit side by side now: each needs its largest worker group plus the
-    CPUs kept for Ray Data (and GPUs when it trains on GPUs)."""
+    CPUs kept for Ray Data (and GPUs when it trains on GPUs), plus its own Tune actor.
+
+    On a Ray that cannot grow (`fixed_size`, a local one) a sweep where no trial fits is
+    refused: its first trial would start and then wait forever for Ray Data's readers. An
+    autoscaling cluster may still add the nodes, so there one trial at a time is assumed.
+    """
     from raytrain_lm.runtime import cpus_needed
 
     scaling = cfg.scaling
-    fits = int(resources.get("CPU", 0.0) // (cpus_needed(scaling) + TRIAL_CPU))
+    per_trial_cpus = cpus_needed(scaling) + TRIAL_CPU
+    fits = int(resources.get("CPU", 0.0) // per_trial_cpus)
     if gpu:
-        per_trial = scaling.max_size * scaling.gpus_per_worker
-        fits = min(fits, int(resources.get("GPU", 0.0) // per_trial))
+        per_trial_gpus = scaling.max_size * scaling.gpus_per_worker
+        fits = min(fits, int(resources.get("GPU", 0.0) // per_trial_gpus))
+    if fits == 0 and fixed_size:
+        raise UserError(
+            f"cannot schedule a trial: each needs {per_trial_cpus:g} CPUs ({scaling.max_size} "
+            f"workers x {scaling.cpus_per_worker:g} + {scaling.data_cpus:g} for Ray Data + "
+            f"{TRIAL_CPU:g} for its Tune actor)"
+            + (f" and {per_trial_gpus:g} GPUs" if gpu else "")
+            + f"; this Ray has {resources.get('CPU', 0.0):g} CPUs"
+            + (f" and {resources.get('GPU', 0.0):g} GPUs" if gpu else "")
+        )
     return max(1, fits)
 
 
@@ -718,13 +735,27 @@ def _open_parent(sweep: Sweep, record: dict[str, Any], git_commit: str | None):
     return parent
 
 
+def connect_ray(sweep: Sweep, base_cfg: RunConfig) -> tuple[bool, int]:
+    """Joins or starts Ray for `sweep`; returns whether trials train on GPUs and how many
+    run at once. A local Ray sized for one run would leave no room for the trial's own
+    actor: the Train worker would take its CPU and Ray Data's readers would wait forever."""
+    import ray
+
+    from raytrain_lm.runtime import ensure_ray, joins_cluster, use_gpu
+
+    ensure_ray(base_cfg.scaling, extra_cpus=TRIAL_CPU)
+    gpu = use_gpu(base_cfg.scaling)
+    fitting = derive_max_concurrent(
+        base_cfg, ray.cluster_resources(), gpu, fixed_size=not joins_cluster(base_cfg.scaling)
+    )
+    return gpu, sweep.spec.max_concurrent_trials or fitting
+
+
 def run_sweep(sweep: Sweep) -> dict[str, Any]:
     """Runs or resumes `sweep`; returns its summary (ranked trials, best first)."""
-    import ray
     from ray import tune
 
     from raytrain_lm.data.prepare import prepare
-    from raytrain_lm.runtime import ensure_ray, use_gpu
     from raytrain_lm.sweeps_report import collect, format_table, plot_report
     from raytrain_lm.tracking import resolve_tracking_uri
     from raytrain_lm.trainer.faults import ENV_VAR as FAULT_ENV
@@ -732,9 +763,8 @@ def run_sweep(sweep: Sweep) -> dict[str, Any]:
 
     base_cfg = RunConfig.model_validate(sweep.base)
     default_ray_env()
-    # A local Ray sized for one run would leave no room for the trial's own actor: the Train
-    # worker would take its CPU and Ray Data's readers would wait forever.
-    ensure_ray(base_cfg.scaling, extra_cpus=TRIAL_CPU)
+    # Checked before anything is written: a sweep refused here leaves no trace.
+    gpu, concurrent = connect_ray(sweep, base_cfg)
     sweep.directory.mkdir(parents=True, exist_ok=True)
     trials_dir = sweep.directory / TRIALS_DIR
     trials_dir.mkdir(exist_ok=True)
@@ -752,10 +782,6 @@ def run_sweep(sweep: Sweep) -> dict[str, Any]:
     (sweep.directory / SWEEP_FILE).write_text(json.dumps(record, indent=2))
     parent.log_artifact(sweep.source, "sweep")
 
-    gpu = use_gpu(base_cfg.scaling)
-    concurrent = sweep.spec.max_concurrent_trials or derive_max_concurrent(
-        base_cfg, ray.cluster_resources(), gpu
-    )
     context = {
         "name": sweep.name,
         "base": base,

@@ -35,10 +35,10 @@ def ray_session(request):
         return
     if not ray.is_initialized():
         # A Ray of its own (never another one on this machine) that names its API server,
-        # as `raytrain-lm` starts one: see runtime._init_local_ray.
-        from raytrain_lm.runtime import _init_local_ray
+        # as `raytrain-lm` starts one: see runtime.init_local_ray.
+        from raytrain_lm.runtime import init_local_ray
 
-        _init_local_ray(num_cpus=6, log_to_driver=True)
+        init_local_ray(num_cpus=6, log_to_driver=True)
     yield ray
     ray.shutdown()
 

@@ -16,7 +16,7 @@ from mlflow.tracking import MlflowClient
 
 import raytrain_lm
 from raytrain_lm import cli
-from raytrain_lm.config import parse_override, set_dotted
+from raytrain_lm.config import RunConfig, parse_override, set_dotted
 from raytrain_lm.errors import UserError
 from raytrain_lm.sweeps import (
     SWEEP_FILE,
@@ -26,6 +26,7 @@ from raytrain_lm.sweeps import (
     TRIALS_DIR,
     TrialRuns,
     _scheduler,
+    derive_max_concurrent,
     load_sweep,
 )
 from raytrain_lm.trainer.goodput import read_events
@@ -126,6 +127,50 @@ def test_sweep_file_typos_get_did_you_mean_and_exit_2(tmp_path):
     assert result.stderr.strip().splitlines() == [
         f"raytrain-lm: error: {bad}: unknown key 'spaces'; did you mean 'space'?"
     ]
+
+
+def test_a_sweep_no_trial_of_which_fits_a_local_ray_is_refused():
+    base = RunConfig.model_validate(load_sweep(ROOT / "experiments/sweeps/lr_width.yaml").base)
+    # 1 worker x 1 CPU + 1 CPU for Ray Data + the trial's Tune actor: 2.01 CPUs
+    with pytest.raises(UserError, match=r"each needs 2\.01 CPUs .* this Ray has 2 CPUs"):
+        derive_max_concurrent(base, {"CPU": 2.0}, gpu=False)
+    # an autoscaling cluster may still add the nodes: one at a time until it does
+    assert derive_max_concurrent(base, {"CPU": 2.0}, gpu=False, fixed_size=False) == 1
+    assert derive_max_concurrent(base, {"CPU": 3.0}, gpu=False) == 1
+    assert derive_max_concurrent(base, {"CPU": 7.0}, gpu=False) == 3
+    with pytest.raises(UserError, match=r"and 1 GPUs; this Ray has 8 CPUs and 0 GPUs"):
+        derive_max_concurrent(base, {"CPU": 8.0}, gpu=True)
+
+
+_OWN_RAY = """
+import json, sys
+import ray
+from raytrain_lm.config import RunConfig
+from raytrain_lm.sweeps import connect_ray, load_sweep
+
+sweep = load_sweep(sys.argv[1])
+gpu, trials = connect_ray(sweep, RunConfig.model_validate(sweep.base))
+print(json.dumps({"cpus": ray.cluster_resources()["CPU"], "gpu": gpu, "trials": trials}))
+"""
+
+
+def test_a_sweep_that_starts_its_own_ray_leaves_room_for_its_trial(tmp_path):
+    """`raytrain-lm sweep` with no Ray running starts one for the machine. Sized for the run
+    alone (2 CPUs here) the trial's own actor left Ray Data no CPU and the first trial hung."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    result = subprocess.run(
+        [sys.executable, "-c", _OWN_RAY, str(ROOT / "experiments/sweeps/lr_width.yaml")],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=180,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    started = json.loads(result.stdout.strip().splitlines()[-1])
+    # 1 worker x 1 CPU + 1 for Ray Data + 0.01 for the trial's actor, on at least 2 cores
+    assert started["cpus"] == max(3, os.cpu_count()) and not started["gpu"]
+    assert started["trials"] == int(started["cpus"] // 2.01)
 
 
 # ------------------------------------------------------------------ sweeps on the session Ray
