@@ -18,15 +18,18 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/raytrain-lm train
 
-# Chaos tests need a multi-node Ray of their own and spend most of their time waiting for
-# nodes to die, drain and come back, so they run in a second pytest process beside the others;
-# their output follows. The target fails if either process fails.
+# Tests that start Rays of their own (chaos: a multi-node Ray whose nodes they kill, drain and
+# bring back; own_ray: a cluster, a notebook kernel or a CLI sweep) run in a second pytest
+# process beside those sharing the session's Ray. They spend much of their time waiting on
+# nodes and processes. Their output follows; the target fails if either process fails.
+ALONGSIDE := chaos or own_ray
 test: $(STAMP)
-	@$(VENV)/bin/pytest -q -p no:cacheprovider -m chaos > .chaos-tests.log 2>&1 & chaos=$$!; \
-	$(VENV)/bin/pytest -q -m "not chaos"; rest=$$?; \
-	wait $$chaos; chaos_status=$$?; \
-	echo "----- chaos tests (pytest -m chaos), run alongside -----"; cat .chaos-tests.log; \
-	test $$rest -eq 0 && test $$chaos_status -eq 0
+	@$(VENV)/bin/pytest -q -p no:cacheprovider --durations=5 -m "$(ALONGSIDE)" > .tests-alongside.log 2>&1 & alongside=$$!; \
+	$(VENV)/bin/pytest -q --durations=5 -m "not ($(ALONGSIDE))"; rest=$$?; \
+	wait $$alongside; alongside_status=$$?; \
+	echo "----- tests with Rays of their own (pytest -m \"$(ALONGSIDE)\"), run alongside -----"; \
+	cat .tests-alongside.log; \
+	test $$rest -eq 0 && test $$alongside_status -eq 0
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -27,10 +27,13 @@ TINY = [
 def ray_session(request):
     """One Ray for the session, started before anything else can start a smaller one
     (`prepare` starts a local Ray when none runs); logical CPUs cover 4 workers plus Ray Data.
-    A session of chaos tests only starts its own multi-node Ray instead."""
+    A session of only chaos and own_ray tests needs none: those start their own Rays."""
     import ray
 
-    if all(item.get_closest_marker("chaos") for item in request.session.items):
+    if all(
+        item.get_closest_marker("chaos") or item.get_closest_marker("own_ray")
+        for item in request.session.items
+    ):
         yield None
         return
     if not ray.is_initialized():

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from conftest import TINY
 
-pytestmark = pytest.mark.cluster
+pytestmark = [pytest.mark.cluster, pytest.mark.own_ray]
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = [

@@ -2,8 +2,8 @@
 after their `parameters` cell (as papermill does), and are committed without outputs.
 
 Each kernel is its own process with its own Ray: a local one for the quickstart and the sweep
-(never the test session's), a multi-node `LocalCluster` for the elastic notebook, which is
-therefore marked `chaos` and runs in the chaos pytest process.
+(never the test session's, hence `own_ray`), a multi-node `LocalCluster` for the elastic
+notebook (hence `chaos`). Both kinds run in the second pytest process of `make test`.
 """
 
 from __future__ import annotations
@@ -99,6 +99,7 @@ def test_every_notebook_is_tested():
     assert names == {"01_quickstart.ipynb", "02_sweeps.ipynb", "03_elastic.ipynb"}
 
 
+@pytest.mark.own_ray
 def test_quickstart(kernel, tmp_path, shared_dirs):
     steps = 12
     nb = run_notebook(
@@ -128,6 +129,7 @@ def test_quickstart(kernel, tmp_path, shared_dirs):
     assert summary["steps"] == steps and summary["mlflow_run_id"]
 
 
+@pytest.mark.own_ray
 def test_sweeps(kernel, tmp_path, shared_dirs):
     sweep_file = tmp_path / "tiny-sweep.yaml"
     sweep_file.write_text(

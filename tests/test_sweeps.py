@@ -154,6 +154,7 @@ print(json.dumps({"cpus": ray.cluster_resources()["CPU"], "gpu": gpu, "trials": 
 """
 
 
+@pytest.mark.own_ray
 def test_a_sweep_that_starts_its_own_ray_leaves_room_for_its_trial(tmp_path):
     """`raytrain-lm sweep` with no Ray running starts one for the machine. Sized for the run
     alone (2 CPUs here) the trial's own actor left Ray Data no CPU and the first trial hung."""
