@@ -879,7 +879,7 @@ def run_sweep(sweep: Sweep) -> dict[str, Any]:
     rows = collect(runs, keys)
     png = sweep.directory / "report.png"
     if rows:
-        plot_report(rows, keys, runs.client, png)
+        plot_report(rows, keys, runs.client, png, log_uniform_keys(record))
         parent.log_artifact(png)
         best = next((r for r in rows if r["val_loss"] is not None), None)
         if best is not None:
@@ -945,6 +945,14 @@ def swept_keys(record: dict[str, Any]) -> list[str]:
     params are the values a trial started with)."""
     mutations = (record.get("scheduler") or {}).get("hyperparam_mutations") or {}
     return [*record["space"], *(k for k in mutations if k not in record["space"])]
+
+
+def log_uniform_keys(record: dict[str, Any]) -> frozenset[str]:
+    """Keys sampled log-uniformly (in the space, or as a PBT mutation): plotted on a log axis."""
+    mutations = (record.get("scheduler") or {}).get("hyperparam_mutations") or {}
+    return frozenset(
+        key for key, entry in {**mutations, **record["space"]}.items() if "loguniform" in entry
+    )
 
 
 def sweep_directory(name: str, output_dir: str | Path = "runs") -> Path:

@@ -108,10 +108,18 @@ def format_table(rows: list[dict[str, Any]], keys: list[str]) -> str:
     return "\n".join(lines)
 
 
-def plot_report(rows: list[dict[str, Any]], keys: list[str], client, out: str | Path) -> Path:
+def plot_report(
+    rows: list[dict[str, Any]],
+    keys: list[str],
+    client,
+    out: str | Path,
+    log_keys: frozenset[str] = frozenset(),
+) -> Path:
     """Val loss against each swept key (one panel each), then the val loss curves of the
-    best trials."""
+    best trials. Keys in `log_keys` (sampled log-uniformly) get a log axis, as do values that
+    span more than a factor of 20."""
     from matplotlib.figure import Figure
+    from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter
 
     scored = [r for r in rows if r["val_loss"] is not None]
     panels = len(keys) + 1
@@ -131,8 +139,19 @@ def plot_report(rows: list[dict[str, Any]], keys: list[str], client, out: str | 
             labels.append(r["trial"].split("_")[-1])
         ax.scatter(xs, ys)
         numeric = all(isinstance(x, float) for x in xs) and xs and min(xs) > 0
-        if numeric and max(xs) / min(xs) > 20:
+        if numeric and (key in log_keys or max(xs) / min(xs) > 20):
             ax.set_xscale("log")
+            # 1-2-5 ticks in plain numbers: matplotlib's default labels minor ticks as
+            # powers of ten over a narrow range, and they overlap
+            ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+            ax.xaxis.set_minor_formatter(NullFormatter())
+        elif numeric:
+            ax.xaxis.set_major_locator(MaxNLocator(nbins=5))
+        if numeric:
+            distinct = sorted(set(xs))
+            if len(distinct) <= 4:  # a choice: tick exactly its values
+                ax.set_xticks(distinct)
+            ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
         for x, y, label in zip(xs, ys, labels, strict=True):
             ax.annotate(label, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
         ax.set_xlabel(key)
@@ -158,7 +177,13 @@ def plot_report(rows: list[dict[str, Any]], keys: list[str], client, out: str | 
 
 def report(name: str, output_dir: str | Path = "runs", out: str | Path | None = None) -> dict:
     """Ranks sweep `name`'s trials; returns the rows, the table text and the PNG path."""
-    from raytrain_lm.sweeps import SWEEP_FILE, TrialRuns, sweep_directory, swept_keys
+    from raytrain_lm.sweeps import (
+        SWEEP_FILE,
+        TrialRuns,
+        log_uniform_keys,
+        sweep_directory,
+        swept_keys,
+    )
 
     directory = sweep_directory(name, output_dir)
     record = json.loads((directory / SWEEP_FILE).read_text())
@@ -169,5 +194,7 @@ def report(name: str, output_dir: str | Path = "runs", out: str | Path | None = 
     runs = TrialRuns(record["tracking_uri"], record["parent_run_id"])
     keys = swept_keys(record)
     rows = collect(runs, keys)
-    png = plot_report(rows, keys, runs.client, out or directory / "report.png")
+    png = plot_report(
+        rows, keys, runs.client, out or directory / "report.png", log_uniform_keys(record)
+    )
     return {"rows": rows, "table": format_table(rows, keys), "png": str(png)}

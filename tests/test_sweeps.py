@@ -28,6 +28,7 @@ from raytrain_lm.sweeps import (
     _scheduler,
     derive_max_concurrent,
     load_sweep,
+    log_uniform_keys,
 )
 from raytrain_lm.trainer.goodput import read_events
 
@@ -127,6 +128,14 @@ def test_sweep_file_typos_get_did_you_mean_and_exit_2(tmp_path):
     assert result.stderr.strip().splitlines() == [
         f"raytrain-lm: error: {bad}: unknown key 'spaces'; did you mean 'space'?"
     ]
+
+
+def test_keys_sampled_log_uniformly_are_found_in_space_and_pbt_mutations():
+    record = {
+        "space": {"optim.lr": {"loguniform": [3e-4, 3e-3]}, "model.n_embd": {"choice": [64]}},
+        "scheduler": {"hyperparam_mutations": {"optim.weight_decay": {"loguniform": [1e-3, 1]}}},
+    }
+    assert log_uniform_keys(record) == {"optim.lr", "optim.weight_decay"}
 
 
 def test_a_sweep_no_trial_of_which_fits_a_local_ray_is_refused():
