@@ -8,6 +8,7 @@ The head keeps the CPUs that Ray Data reads with, like a real cluster's CPU head
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -38,6 +39,31 @@ FAST_HEALTH_CHECKS = {
 }
 
 
+def _start_node(start: Callable[[], Any], attempts: int = 3) -> Any:
+    """Runs `start` (a `Cluster.add_node`), again if the node misses Ray's fixed 30 s to
+    register: on a loaded 2-core machine a raylet can. The failed attempt's processes (this
+    process's new descendants) are killed first, so no half-started node lingers."""
+    import psutil
+
+    me = psutil.Process()
+    for attempt in range(1, attempts + 1):
+        before = {p.pid for p in me.children(recursive=True)}
+        try:
+            return start()
+        except Exception as error:
+            if "timed out during startup" not in str(error) or attempt == attempts:
+                raise
+            leftovers = [p for p in me.children(recursive=True) if p.pid not in before]
+            for process in leftovers:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    process.kill()
+            psutil.wait_procs(leftovers, timeout=10)
+            print(
+                f"[raytrain-lm] a Ray node did not start in time; retrying ({attempt}/{attempts})"
+            )
+    raise AssertionError("unreachable")
+
+
 class LocalCluster:
     """A Ray head plus `workers` single-slot worker nodes, connected to this process."""
 
@@ -51,14 +77,14 @@ class LocalCluster:
         # node loss the survivors' process-group teardown cannot finish, so don't wait 30 s.
         os.environ.setdefault("TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S", "3")
         self.cpus_per_node = cpus_per_node
-        self.cluster = Cluster(
-            initialize_head=True,
-            head_node_args={
-                "num_cpus": head_cpus,
-                "include_dashboard": True,  # Ray Train V2 polls the state API
-                "dashboard_port": free_port(),  # another Ray on this machine may hold 8265
-                "_system_config": FAST_HEALTH_CHECKS,
-            },
+        self.cluster = Cluster(initialize_head=False)
+        _start_node(
+            lambda: self.cluster.add_node(
+                num_cpus=head_cpus,
+                include_dashboard=True,  # Ray Train V2 polls the state API
+                dashboard_port=free_port(),  # another Ray on this machine may hold 8265
+                _system_config=FAST_HEALTH_CHECKS,
+            )
         )
         self.nodes = [self.add_node() for _ in range(workers)]
         ray.init(address=self.cluster.address)
@@ -79,7 +105,9 @@ class LocalCluster:
         ]
 
     def add_node(self):
-        node = self.cluster.add_node(num_cpus=self.cpus_per_node, resources={SLOT: 1})
+        node = _start_node(
+            lambda: self.cluster.add_node(num_cpus=self.cpus_per_node, resources={SLOT: 1})
+        )
         if hasattr(self, "nodes"):
             self.nodes.append(node)
         return node
