@@ -10,7 +10,7 @@ import argparse
 import json
 import sys
 
-from raytrain_lm.errors import UserError
+from raytrain_lm.errors import UserError, find_user_error
 
 EXIT_USER_ERROR = 2
 
@@ -301,12 +301,16 @@ def main() -> None:
     _quiet_logs()
     try:
         code = run(sys.argv[1:])
-    except UserError as exc:
-        print(f"raytrain-lm: error: {exc}", file=sys.stderr)
-        code = EXIT_USER_ERROR
     except KeyboardInterrupt:
         print("raytrain-lm: interrupted; run the same command again to resume", file=sys.stderr)
         code = 130
+    except Exception as exc:
+        # A UserError raised in a Ray task, Train worker or Tune trial arrives wrapped.
+        found = find_user_error(exc)
+        if found is None:
+            raise
+        print(f"raytrain-lm: error: {found}", file=sys.stderr)
+        code = EXIT_USER_ERROR
     sys.exit(code)
 
 
