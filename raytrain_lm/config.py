@@ -210,6 +210,12 @@ class FaultConfig(_Section):
     preemption_check_s: float = Field(
         2.0, gt=0.0, description="how often the loop asks whether a node is being preempted"
     )
+    stop_timeout_s: float = Field(
+        120.0,
+        gt=0.0,
+        description="after a stop request (`raytrain-lm stop`, SIGTERM, Ctrl-C), how long the "
+        "run may take to checkpoint at a step boundary before it is ended without one",
+    )
     checkpoint_on_preemption: bool = Field(
         True, description="write a just-in-time checkpoint when a worker's node is drained"
     )
