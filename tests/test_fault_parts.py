@@ -39,7 +39,7 @@ def _save(run_dir: Path, step: int, val_loss: float | None = None) -> Path:
     optimizer = torch.optim.AdamW(model.parameters())
     state = TrainState(step=step, val_loss=val_loss, val_step=step if val_loss else None)
     directory = run_dir / f"checkpoint_{step:04d}"
-    save_checkpoint(directory, model, optimizer, state, "{}", "name: t\n")
+    save_checkpoint(directory, model, optimizer, state, {"config.yaml": "name: t\n"})
     return directory
 
 
@@ -158,11 +158,10 @@ def test_unschedulable_configs_are_refused_with_the_reason():
 
 def test_fault_spec_parsing():
     assert faults.parse(None) is None
-    assert faults.parse("kill-in-checkpoint:step=8:rank=0") == {
-        "point": "kill-in-checkpoint",
-        "step": "8",
-        "rank": "0",
-    }
+    assert faults.parse("kill-in-checkpoint:step=8:rank=0") == faults.Fault(
+        "kill-in-checkpoint", step=8, rank=0
+    )
+    assert faults.parse("slow-steps:seconds=0.05").seconds == 0.05
 
 
 def test_watchdog_ends_a_stuck_worker():

@@ -2,11 +2,9 @@
 a node loss makes sure the restart is sized for the nodes that are left.
 
 Ray Train notices a lost node by its own worker health check, often before Ray's control
-plane has marked the node dead; and its elastic policy reads cluster capacity from Ray Data's
-autoscaling coordinator, which refreshes only every 20 s. So the restart right after a node
-loss is sized for the old cluster, cannot be placed, and waits out
-`fault.worker_start_timeout_s` before Ray Train retries smaller. Waiting here (briefly) for
-the node to be marked dead and refreshing the coordinator's view avoids that.
+plane has marked the node dead, and sizes the restart from a capacity view that still lists
+it (see capacity.py). Waiting here (briefly) for the node to be marked dead and refreshing
+that view lets the restart be placed at once.
 """
 
 from __future__ import annotations
@@ -17,6 +15,7 @@ from typing import Any
 
 from ray.train import UserCallback
 
+from raytrain_lm.trainer.capacity import refresh_capacity_view
 from raytrain_lm.trainer.goodput import append_event, read_events
 
 logger = logging.getLogger(__name__)
@@ -59,24 +58,6 @@ class FailureEvents(UserCallback):
             lost = nodes_at_start - alive_node_ids()
             if lost:
                 append_event(self.run_dir, "nodes_lost", nodes=sorted(lost))
-                _refresh_capacity_view()
+                refresh_capacity_view()
                 return
             time.sleep(0.25)
-
-
-def _refresh_capacity_view() -> None:
-    """Asks Ray Data's autoscaling coordinator (where Ray Train's elastic policy reads cluster
-    capacity) to re-read the cluster now. Internal API: if it moves, Ray's own timeout-and-
-    retry path still recovers, only slower."""
-    try:
-        import ray
-        from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
-            get_or_create_autoscaling_coordinator,
-        )
-
-        coordinator = get_or_create_autoscaling_coordinator()
-        ray.get(
-            coordinator.get_reserved_resources.remote("raytrain-lm", recompute=True), timeout=10
-        )
-    except Exception:  # best effort: never let bookkeeping break recovery
-        logger.warning("could not refresh the cluster capacity view", exc_info=True)

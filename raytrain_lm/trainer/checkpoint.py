@@ -1,26 +1,37 @@
-"""Checkpoint contents and atomicity. A checkpoint directory is complete only once its
-COMPLETE marker exists and every file the marker lists is there at its recorded size. The
-marker is written last, and listing the files also covers copies that do not keep the write
-order (Ray uploads a checkpoint's files in no particular order). An incomplete checkpoint is
-never loaded."""
+"""Checkpoint contents and atomicity.
+
+A checkpoint directory holds the weights (safetensors), the optimizer state, the train state
+(step, tokens, data position), and the tokenizer and config that make it usable on its own.
+It is complete once its COMPLETE marker exists and every file the marker lists is there at
+its recorded size; the marker is written last, and listing the files also covers copies that
+do not keep the write order (Ray uploads a checkpoint's files in no particular order).
+
+Complete is not the same as loadable: a file can keep its size and still be damaged. The
+marker therefore records each file's SHA-256 too, and a restore verifies them; a checkpoint
+that fails verification or loading is skipped for the one before it (`restore_newest`).
+"""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from raytrain_lm.rundir import CHECKPOINT_PREFIX
+from raytrain_lm.rundir import CONFIG_FILE as CONFIG_FILE  # callers still import it from here
+
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
 STATE_FILE = "train_state.json"
-RNG_FILE = "rng.pt"
-CONFIG_FILE = "config.yaml"
 MARKER_FILE = "COMPLETE"
+_HASH_CHUNK = 1 << 22
 
 
 @dataclass
@@ -31,6 +42,8 @@ class TrainState:
     world_size: int = 0  # at the time of saving, for the log only: resume works at any size
     val_loss: float | None = None
     val_step: int | None = None  # the step val_loss was measured at
+    train_loss: float | None = None  # at this step, all ranks: the figures of the run so far
+    tokens_per_s: float | None = None
 
 
 def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -46,39 +59,76 @@ def load_model_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> 
     model.load_state_dict(state)
 
 
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
 def save_checkpoint(
     directory: Path,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     state: TrainState,
-    tokenizer_json: str,
-    config_yaml: str,
+    texts: dict[str, str],
     partially_written: Callable[[], None] | None = None,
 ) -> None:
+    """Writes a complete checkpoint; `texts` are extra files by name (tokenizer, config)."""
     directory.mkdir(parents=True, exist_ok=True)
     save_file(model_state(model), str(directory / MODEL_FILE))
     if partially_written is not None:
         partially_written()  # a chaos test's moment to kill the writer
     torch.save(optimizer.state_dict(), directory / OPTIMIZER_FILE)
-    torch.save({"torch": torch.get_rng_state()}, directory / RNG_FILE)
     (directory / STATE_FILE).write_text(json.dumps(asdict(state)))
-    (directory / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
-    (directory / CONFIG_FILE).write_text(config_yaml, encoding="utf-8")
-    sizes = {p.name: p.stat().st_size for p in sorted(directory.iterdir()) if p.is_file()}
-    (directory / MARKER_FILE).write_text(json.dumps({"files": sizes}, indent=1))
+    for name, text in texts.items():
+        (directory / name).write_text(text, encoding="utf-8")
+    files = {
+        p.name: {"size": p.stat().st_size, "sha256": _sha256(p)}
+        for p in sorted(directory.iterdir())
+        if p.is_file()
+    }
+    (directory / MARKER_FILE).write_text(json.dumps({"files": files}, indent=1))
+
+
+def _listed_files(directory: Path) -> dict[str, dict] | None:
+    try:
+        files = json.loads((directory / MARKER_FILE).read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    # Markers written before checksums were recorded list sizes only.
+    return {k: v if isinstance(v, dict) else {"size": v} for k, v in files.items()}
 
 
 def is_complete(directory: str | Path) -> bool:
-    marker = Path(directory) / MARKER_FILE
-    try:
-        sizes = json.loads(marker.read_text())["files"]
-    except (OSError, ValueError, KeyError, TypeError):
+    """Marker present and every listed file there at its size (cheap: no reading)."""
+    directory = Path(directory)
+    files = _listed_files(directory)
+    if files is None:
         return False
-    for name, size in sizes.items():
-        path = Path(directory) / name
-        if not path.is_file() or path.stat().st_size != size:
+    for name, facts in files.items():
+        path = directory / name
+        if not path.is_file() or path.stat().st_size != facts["size"]:
             return False
     return True
+
+
+def damage(directory: str | Path) -> str | None:
+    """What is wrong with a checkpoint (a file missing, cut short or altered), or None."""
+    directory = Path(directory)
+    files = _listed_files(directory)
+    if files is None:
+        return f"no readable {MARKER_FILE} marker"
+    for name, facts in files.items():
+        path = directory / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != facts["size"]:
+            return f"{name} has {path.stat().st_size} bytes, not {facts['size']}"
+        if "sha256" in facts and _sha256(path) != facts["sha256"]:
+            return f"{name} does not match its checksum"
+    return None
 
 
 def read_state(directory: str | Path) -> TrainState:
@@ -102,15 +152,49 @@ def load_checkpoint(
     return read_state(directory)
 
 
+def _by_step(folders: Iterable[Path]) -> list[Path]:
+    return sorted(folders, key=lambda p: (read_state(p).step, p.name))
+
+
 def complete_checkpoints(run_dir: str | Path) -> list[Path]:
     """Complete `checkpoint_*` folders Ray Train left in a run directory, oldest step first."""
-    found = [p for p in Path(run_dir).glob("checkpoint_*") if p.is_dir() and is_complete(p)]
-    return sorted(found, key=lambda p: (read_state(p).step, p.name))
+    found = Path(run_dir).glob(f"{CHECKPOINT_PREFIX}*")
+    return _by_step(p for p in found if p.is_dir() and is_complete(p))
 
 
 def latest_complete_checkpoint(run_dir: str | Path) -> Path | None:
     found = complete_checkpoints(run_dir)
     return found[-1] if found else None
+
+
+def ever_checkpointed(run_dir: str | Path) -> bool:
+    """Whether any checkpoint of this run was finished once (its marker was written), even if
+    none is complete or loadable now: starting such a run from step 0 would be wrong."""
+    return any((p / MARKER_FILE).is_file() for p in Path(run_dir).glob(f"{CHECKPOINT_PREFIX}*"))
+
+
+def restore_newest(
+    candidates: Iterable[Path],
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    device: torch.device,
+) -> tuple[Path, TrainState] | None:
+    """Loads the newest of `candidates` that verifies and loads; says why it skipped any."""
+    complete = {p.resolve(): p for p in candidates if is_complete(p)}
+    for directory in reversed(_by_step(complete.values())):
+        problem = damage(directory)
+        if problem is None:
+            try:
+                return directory, load_checkpoint(directory, model, optimizer, device)
+            except Exception as exc:  # damaged in a way the checksum could not see
+                problem = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        print(
+            f"[raytrain-lm] checkpoint {directory.name} cannot be restored ({problem}); "
+            "trying the one before it",
+            file=sys.__stdout__,
+            flush=True,
+        )
+    return None
 
 
 def best_checkpoint(run_dir: str | Path) -> Path | None:
@@ -137,10 +221,3 @@ def prune_checkpoints(run_dir: str | Path, keep_last: int, keep_best: bool) -> l
     for path in removed:
         shutil.rmtree(path, ignore_errors=True)
     return removed
-
-
-def copy_weights(checkpoint: Path, destination: Path) -> Path:
-    destination.mkdir(parents=True, exist_ok=True)
-    target = destination / MODEL_FILE
-    shutil.copyfile(checkpoint / MODEL_FILE, target)
-    return target

@@ -1,6 +1,6 @@
 """Fault injection for chaos tests: real failures at precise points, each fired once.
 
-`RAYTRAIN_LM_FAULT` in the driver's environment travels to the workers with the run's payload:
+`RAYTRAIN_LM_FAULT` in the driver's environment travels to the workers in their spec:
 
 - `kill-in-checkpoint:step=4:rank=0`: that worker kills its own process (SIGKILL: no cleanup,
   like a lost machine) half-way through writing that step's checkpoint. A marker in the run
@@ -16,25 +16,41 @@ from __future__ import annotations
 import os
 import signal
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 ENV_VAR = "RAYTRAIN_LM_FAULT"
 
 
-def parse(spec: str | None) -> dict[str, str] | None:
+@dataclass(frozen=True)
+class Fault:
+    point: str
+    step: int | None = None
+    rank: int | None = None
+    seconds: float = 0.0
+
+
+def parse(spec: str | None) -> Fault | None:
     if not spec:
         return None
     point, *rest = spec.split(":")
     fields = dict(part.split("=", 1) for part in rest)
-    return {"point": point, **fields}
+    return Fault(
+        point,
+        step=int(fields["step"]) if "step" in fields else None,
+        rank=int(fields["rank"]) if "rank" in fields else None,
+        seconds=float(fields.get("seconds", 0.0)),
+    )
 
 
-def maybe_fire(
-    fault: dict[str, str] | None, point: str, step: int, rank: int, run_dir: str
-) -> None:
-    if not fault or fault["point"] != point:
+def from_environment() -> Fault | None:
+    return parse(os.environ.get(ENV_VAR))
+
+
+def maybe_fire(fault: Fault | None, point: str, step: int, rank: int, run_dir: str | Path) -> None:
+    if fault is None or fault.point != point:
         return
-    if int(fault.get("step", step)) != step or int(fault.get("rank", rank)) != rank:
+    if fault.step not in (None, step) or fault.rank not in (None, rank):
         return
     marker = Path(run_dir) / f"fault-fired-{point}-{step}-{rank}"
     if marker.exists():
@@ -43,6 +59,6 @@ def maybe_fire(
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def pace(fault: dict[str, str] | None, step_started: float) -> None:
-    if fault and fault["point"] == "slow-steps":
-        time.sleep(max(0.0, float(fault["seconds"]) - (time.perf_counter() - step_started)))
+def pace(fault: Fault | None, step_started: float) -> None:
+    if fault is not None and fault.point == "slow-steps":
+        time.sleep(max(0.0, fault.seconds - (time.perf_counter() - step_started)))

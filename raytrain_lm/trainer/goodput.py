@@ -28,8 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-EVENTS_FILE = "events.jsonl"
-HEARTBEAT_FILE = "heartbeat.json"
+from raytrain_lm.rundir import EVENTS_FILE, HEARTBEAT_FILE
 
 
 def append_event(run_dir: str | Path, event: str, **fields: Any) -> dict[str, Any]:

@@ -1,13 +1,16 @@
-"""The driver side of a training run: prepare data, open tracking, run the TorchTrainer,
-then publish the summary, final weights and a sample."""
+"""The driver side of a training run: check and prepare, open tracking, run the TorchTrainer
+until the run is done (restarting at once after a spot notice, ending cleanly on a stop
+request), then publish the summary, final weights and tracking record."""
 
 from __future__ import annotations
 
 import errno
 import json
 import os
+import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -16,22 +19,209 @@ import yaml
 from raytrain_lm.config import RunConfig, flatten, to_yaml
 from raytrain_lm.data.manifest import verify_shards
 from raytrain_lm.data.prepare import prepare
-from raytrain_lm.data.storage import is_uri
 from raytrain_lm.errors import UserError
 from raytrain_lm.placement import keep_gpu_nodes_releasable, worker_resources
+from raytrain_lm.rundir import RunDir
 from raytrain_lm.runtime import ensure_ray, use_gpu
-from raytrain_lm.tokenization import TOKENIZER_FILE, load_tokenizer
+from raytrain_lm.storage import is_uri
+from raytrain_lm.tokenization import load_tokenizer
 from raytrain_lm.tracking import MLflowTracker, resolve_tracking_uri
-from raytrain_lm.trainer import faults
-from raytrain_lm.trainer.checkpoint import CONFIG_FILE, latest_complete_checkpoint, read_state
+from raytrain_lm.trainer import faults, signals
+from raytrain_lm.trainer.capacity import create_capacity_view, refresh_capacity_view
+from raytrain_lm.trainer.checkpoint import (
+    TrainState,
+    ever_checkpointed,
+    latest_complete_checkpoint,
+    read_state,
+)
 from raytrain_lm.trainer.goodput import append_event, close_previous_segment, read_events, summarize
+from raytrain_lm.trainer.plan import end_step
+from raytrain_lm.trainer.spec import TrackingTarget, WorkerSpec
+from raytrain_lm.trainer.stopping import GracefulStop, run_interruptibly
 
-TRACKING_FILE = "tracking.json"
-SUMMARY_FILE = "summary.json"
-RAY_TRAIN_SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train V2's, in the run directory
 # What defines a run: resuming with any of these changed would silently make a different run.
 IDENTITY_SECTIONS = ("model", "data", "optim")
 IDENTITY_KEYS = ("training.global_batch_size", "training.seed")
+
+
+def train(
+    cfg: RunConfig,
+    *,
+    parent_run_id: str | None = None,
+    tags: dict[str, Any] | None = None,
+    callbacks: list | None = None,
+    may_change: tuple[str, ...] = (),
+) -> dict[str, Any]:
+    """Runs (or resumes) `cfg` to completion and returns the summary dict.
+
+    A sweep trial passes its sweep's MLflow `parent_run_id`, `tags` for its MLflow run, extra
+    Ray Train `callbacks` (its report to Tune) and, under PBT, the keys it `may_change` when it
+    resumes (a perturbation). A run stopped on request (`raytrain-lm stop`, SIGTERM, Ctrl-C)
+    returns its summary at the stop's checkpoint, with `stopped: true`.
+    """
+    started = time.time()
+    storage = Path(cfg.output_dir).resolve()
+    run_dir = RunDir.of(storage, cfg.name)
+    _check_writable(storage)
+    _check_resume_compatible(cfg, run_dir, may_change)
+    data_dir = _prepared_data(cfg)
+    ensure_ray(cfg.scaling)
+    keep_gpu_nodes_releasable()
+    create_capacity_view()
+
+    previous = latest_complete_checkpoint(run_dir.path)
+    checkpointed = ever_checkpointed(run_dir.path)
+    if checkpointed and previous is None:
+        raise UserError(
+            f"run '{cfg.name}' has checkpoints in {run_dir} but none is complete; refusing to "
+            "start from step 0 (remove the run directory to start afresh)"
+        )
+    if previous is not None:
+        state = read_state(previous)
+        print(
+            f"[raytrain-lm] resuming run '{cfg.name}' from {previous.name}: step {state.step}, "
+            f"{state.tokens:,} tokens",
+            flush=True,
+        )
+    # Nothing is written before the tracking store answered: a run refused here leaves no trace.
+    tracker = _open_tracking(cfg, run_dir, parent_run_id, tags)
+    run_dir.path.mkdir(parents=True, exist_ok=True)
+    run_dir.config.write_text(to_yaml(cfg))
+    if tracker is not None:
+        run_dir.tracking.write_text(
+            json.dumps({"tracking_uri": tracker.uri, "mlflow_run_id": tracker.run_id})
+        )
+        tracker.log_params(flatten(cfg))
+        tracker.log_artifact(run_dir.config)
+        load_tokenizer(data_dir).save(run_dir.path)
+        tracker.log_artifact(run_dir.tokenizer)
+
+    spec = WorkerSpec(
+        config=cfg,
+        data_dir=data_dir,
+        run_dir=run_dir,
+        tracking=TrackingTarget(tracker.uri, tracker.run_id) if tracker else None,
+        expect_checkpoint=checkpointed,
+        read_cpus=cfg.scaling.data_cpus / cfg.scaling.max_size,
+        fault=faults.from_environment(),
+    )
+    stopped = False
+    if previous is not None and read_state(previous).step >= end_step(cfg.training):
+        print(f"[raytrain-lm] run '{cfg.name}' already trained to step {read_state(previous).step}")
+    else:
+        try:
+            stopped = _train_until_done(spec, callbacks)
+        except BaseException:
+            if tracker is not None:
+                tracker.finish("KILLED" if _interrupted() else "FAILED")
+            raise
+    return _publish(spec, tracker, started, stopped)
+
+
+def _prepared_data(cfg: RunConfig) -> str:
+    """Prepares (or finds) the run's dataset and refuses data the model cannot use."""
+    if not cfg.data.prepared:
+        ensure_ray(cfg.scaling)  # prepare runs as a Ray Data job; size Ray for training first
+    prepared = prepare(cfg.data)
+    manifest = prepared.manifest
+    # Refuse corrupted data before starting. Shards the verification stamp vouches for are not
+    # hashed again; after a fresh prepare this hashes each once, so workers need not.
+    verify_shards(prepared.directory, manifest)
+    verb = "prepared" if prepared.created else "using prepared"
+    print(
+        f"[raytrain-lm] {verb} data {prepared.directory}: {manifest.splits['train'].tokens:,} train "
+        f"/ {manifest.splits['val'].tokens:,} val tokens, {manifest.tokenizer_kind} tokenizer "
+        f"(vocab {manifest.vocab_size})",
+        flush=True,
+    )
+    check_data_matches_model(cfg, manifest)
+    directory = prepared.directory
+    return directory if is_uri(directory) else os.path.abspath(directory)
+
+
+def _train_until_done(spec: WorkerSpec, callbacks: list | None) -> bool:
+    """Runs worker groups until the run reaches its end step or is stopped on request (then
+    returns True). A group that ended itself for a spot notice is followed by a new one at
+    once, on the nodes that stay; failures are Ray Train's to retry, within the budgets."""
+    cfg, run_dir = spec.config, spec.run_dir
+    append_event(run_dir.path, "job_start", pid=os.getpid())
+    handoffs = 0
+    with GracefulStop(run_dir, cfg.fault.stop_timeout_s):
+        while True:
+            _fit(spec, callbacks)
+            reason = signals.handoff_reason(read_events(run_dir.path))
+            if reason == signals.STOP:
+                return True
+            reached = latest_complete_checkpoint(run_dir.path)
+            if reason != signals.PREEMPTION or reached is None:
+                return False
+            if read_state(reached).step >= end_step(cfg.training):
+                return False
+            handoffs += 1
+            budget = cfg.fault.max_preemptions
+            if budget != -1 and handoffs > budget:
+                raise RuntimeError(
+                    f"run '{cfg.name}' was preempted {handoffs} times, over "
+                    f"fault.max_preemptions={budget}; start it again to resume"
+                )
+            # The drained node counts for nothing now (capacity.py): the new group is sized
+            # for the nodes that stay instead of waiting for one it cannot place.
+            refresh_capacity_view()
+            spec = replace(spec, expect_checkpoint=True)
+            print(
+                f"[raytrain-lm] restarting after preemption at step {read_state(reached).step}",
+                flush=True,
+            )
+
+
+def _publish(spec: WorkerSpec, tracker, started: float, stopped: bool) -> dict[str, Any]:
+    """The summary of the run as its newest checkpoint left it; with tracking, the final
+    weights, tokenizer and summary as artifacts, and the MLflow run ended."""
+    cfg, run_dir = spec.config, spec.run_dir
+    final = latest_complete_checkpoint(run_dir.path)
+    if final is None:
+        raise RuntimeError(f"training ended without a complete checkpoint in {run_dir}")
+    state: TrainState = read_state(final)
+    close_previous_segment(run_dir.path)
+    tokens_per_step = cfg.training.global_batch_size * cfg.model.block_size
+    goodput = summarize(read_events(run_dir.path)).metrics(state.tokens, tokens_per_step)
+    summary = {
+        "run": cfg.name,
+        "steps": state.step,
+        "tokens": state.tokens,
+        "train_loss": state.train_loss,
+        "val_loss": state.val_loss,
+        "tokens_per_s": state.tokens_per_s,
+        "wall_s": round(time.time() - started, 1),
+        "mlflow_run_id": tracker.run_id if tracker else None,
+        "checkpoint": str(final),
+        "stopped": stopped,
+        "goodput": {
+            k.removeprefix("goodput/").replace("/", "_"): round(v, 4) for k, v in goodput.items()
+        },
+    }
+    run_dir.summary.write_text(json.dumps(summary, indent=2))
+    if stopped:
+        print(
+            f"[raytrain-lm] run '{cfg.name}' stopped at step {state.step} with a checkpoint; "
+            "run the same command again to resume",
+            flush=True,
+        )
+    if tracker is not None:
+        tracker.log_metrics(goodput, step=state.step)
+        if not stopped:
+            tracker.log_artifact(final / "model.safetensors", "final")
+            tracker.log_artifact(final / "tokenizer.json", "final")
+        tracker.log_artifact(run_dir.summary)
+        tracker.finish("KILLED" if stopped else "FINISHED")
+    return summary
+
+
+def _interrupted() -> bool:
+    return isinstance(sys.exc_info()[1], KeyboardInterrupt)
+
+
+# ----------------------------------------------------------------------------- checks
 
 
 def _check_writable(directory: Path) -> None:
@@ -48,13 +238,12 @@ def _check_writable(directory: Path) -> None:
 
 
 def _check_resume_compatible(
-    cfg: RunConfig, run_dir: Path, may_change: tuple[str, ...] = ()
+    cfg: RunConfig, run_dir: RunDir, may_change: tuple[str, ...] = ()
 ) -> None:
     """`may_change`: keys a PBT trial may resume with changed (see sweeps.PBT_MUTABLE)."""
-    saved_file = run_dir / CONFIG_FILE
-    if not saved_file.is_file():
+    if not run_dir.config.is_file():
         return
-    saved = flatten(yaml.safe_load(saved_file.read_text()))
+    saved = flatten(yaml.safe_load(run_dir.config.read_text()))
     current = flatten(cfg)
     for key, value in current.items():
         if key in may_change:
@@ -87,20 +276,23 @@ def check_data_matches_model(cfg: RunConfig, manifest) -> None:
         )
 
 
-def _tracking(
+# ----------------------------------------------------------------------------- tracking
+
+
+def _open_tracking(
     cfg: RunConfig,
-    run_dir: Path,
+    run_dir: RunDir,
     parent_run_id: str | None = None,
     tags: dict[str, Any] | None = None,
 ) -> MLflowTracker | None:
-    """The run's MLflow run: the one in run_dir/tracking.json when resuming, else a new one,
+    """The run's MLflow run: the one its tracking record names when resuming, else a new one,
     nested under `parent_run_id` (a sweep) when given, tagged with `tags`."""
     if not cfg.tracking.enabled:
         return None
     uri = resolve_tracking_uri(cfg.tracking)
-    previous = run_dir / TRACKING_FILE
-    run_id = json.loads(previous.read_text())["mlflow_run_id"] if previous.is_file() else None
-    tracker = MLflowTracker.start(
+    record = run_dir.tracking
+    run_id = json.loads(record.read_text())["mlflow_run_id"] if record.is_file() else None
+    return MLflowTracker.start(
         uri,
         cfg.tracking.experiment,
         cfg.name,
@@ -109,141 +301,12 @@ def _tracking(
         tags=tags,
         wait_s=cfg.tracking.start_wait_s,
     )
-    previous.write_text(json.dumps({"tracking_uri": uri, "mlflow_run_id": tracker.run_id}))
-    return tracker
 
 
-def train(
-    cfg: RunConfig,
-    *,
-    parent_run_id: str | None = None,
-    tags: dict[str, Any] | None = None,
-    callbacks: list | None = None,
-    may_change: tuple[str, ...] = (),
-) -> dict[str, Any]:
-    """Runs (or resumes) `cfg` to completion and returns the summary dict.
-
-    A sweep trial passes its sweep's MLflow `parent_run_id`, `tags` for its MLflow run, extra
-    Ray Train `callbacks` (its report to Tune) and, under PBT, the keys it `may_change` when it
-    resumes (a perturbation).
-    """
-    started = time.time()
-    storage = Path(cfg.output_dir).resolve()
-    run_dir = storage / cfg.name
-    _check_writable(storage)
-    _check_resume_compatible(cfg, run_dir, may_change)
-
-    if not cfg.data.prepared:
-        ensure_ray(cfg.scaling)  # prepare runs as a Ray Data job; size Ray for training first
-    prepared = prepare(cfg.data)
-    manifest = prepared.manifest
-    # Refuse corrupted data before starting. Shards the verification stamp vouches for are not
-    # hashed again; after a fresh prepare this hashes each once, so workers need not.
-    verify_shards(prepared.directory, manifest)
-    verb = "prepared" if prepared.created else "using prepared"
-    print(
-        f"[raytrain-lm] {verb} data {prepared.directory}: {manifest.splits['train'].tokens:,} train "
-        f"/ {manifest.splits['val'].tokens:,} val tokens, {manifest.tokenizer_kind} tokenizer "
-        f"(vocab {manifest.vocab_size})",
-        flush=True,
-    )
-    check_data_matches_model(cfg, manifest)
-    ensure_ray(cfg.scaling)
-    keep_gpu_nodes_releasable()
-
-    previous = latest_complete_checkpoint(run_dir)
-    if previous is not None:
-        state = read_state(previous)
-        print(
-            f"[raytrain-lm] resuming run '{cfg.name}' from {previous.name}: step {state.step}, "
-            f"{state.tokens:,} tokens",
-            flush=True,
-        )
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / CONFIG_FILE).write_text(to_yaml(cfg))
-    tracker = _tracking(cfg, run_dir, parent_run_id, tags)
-    if tracker is not None:
-        tracker.log_params(flatten(cfg))
-        tracker.log_artifact(run_dir / CONFIG_FILE)
-        load_tokenizer(prepared.directory).save(run_dir)
-        tracker.log_artifact(run_dir / TOKENIZER_FILE)
-
-    gpu = use_gpu(cfg.scaling)
-    payload = {
-        "config": cfg.model_dump(mode="json"),
-        "data_dir": prepared.directory
-        if is_uri(prepared.directory)
-        else os.path.abspath(prepared.directory),
-        "run_dir": str(run_dir),
-        "tracking_uri": tracker.uri if tracker else None,
-        "mlflow_run_id": tracker.run_id if tracker else None,
-        "expect_checkpoint": previous is not None,
-        "read_cpus": cfg.scaling.data_cpus / cfg.scaling.max_size,
-        "fault": os.environ.get(faults.ENV_VAR),
-    }
-    end_step = min(cfg.training.max_steps, cfg.training.stop_after_step or cfg.training.max_steps)
-    result_metrics: dict[str, Any] = {}
-    if previous is not None and read_state(previous).step >= end_step:
-        print(f"[raytrain-lm] run '{cfg.name}' already trained to step {read_state(previous).step}")
-    else:
-        append_event(run_dir, "job_start", pid=os.getpid())
-        handoffs = 0
-        while True:
-            result_metrics = _fit(cfg, payload, storage, run_dir, gpu, tracker, callbacks)
-            reached = latest_complete_checkpoint(run_dir)
-            if not result_metrics.get("preempted") or reached is None:
-                break
-            if read_state(reached).step >= end_step:
-                break
-            # The worker group ended itself after a just-in-time checkpoint because a node was
-            # being drained: start a new one at once; Ray schedules nothing on draining nodes.
-            handoffs += 1
-            budget = cfg.fault.max_preemptions
-            if budget != -1 and handoffs > budget:
-                raise RuntimeError(
-                    f"run '{cfg.name}' was preempted {handoffs} times, over "
-                    f"fault.max_preemptions={budget}; start it again to resume"
-                )
-            payload["expect_checkpoint"] = True
-            print(
-                f"[raytrain-lm] restarting after preemption at step {read_state(reached).step}",
-                flush=True,
-            )
-
-    final = latest_complete_checkpoint(run_dir)
-    if final is None:
-        raise RuntimeError(f"training finished without a complete checkpoint in {run_dir}")
-    state = read_state(final)
-    close_previous_segment(run_dir)
-    tokens_per_step = cfg.training.global_batch_size * cfg.model.block_size
-    goodput = summarize(read_events(run_dir)).metrics(state.tokens, tokens_per_step)
-    summary = {
-        "run": cfg.name,
-        "steps": state.step,
-        "tokens": state.tokens,
-        "train_loss": result_metrics.get("train_loss"),
-        "val_loss": state.val_loss,
-        "tokens_per_s": result_metrics.get("tokens_per_s"),
-        "wall_s": round(time.time() - started, 1),
-        "mlflow_run_id": tracker.run_id if tracker else None,
-        "checkpoint": str(final),
-        "goodput": {
-            k.removeprefix("goodput/").replace("/", "_"): round(v, 4) for k, v in goodput.items()
-        },
-    }
-    (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
-    if tracker is not None:
-        tracker.log_metrics(goodput, step=state.step)
-        tracker.log_artifact(final / "model.safetensors", "final")
-        tracker.log_artifact(final / "tokenizer.json", "final")
-        tracker.log_artifact(run_dir / SUMMARY_FILE)
-        tracker.finish("FINISHED")
-    return summary
+# ----------------------------------------------------------------------------- Ray Train
 
 
-def _fit(
-    cfg: RunConfig, payload: dict, storage: Path, run_dir: Path, gpu: bool, tracker, callbacks=None
-):
+def _fit(spec: WorkerSpec, callbacks: list | None = None) -> None:
     """One TorchTrainer.fit(): Ray Train retries failures within it, within the budgets."""
     from ray.train import CheckpointConfig, FailureConfig
     from ray.train import RunConfig as RayRunConfig
@@ -253,7 +316,9 @@ def _fit(
     from raytrain_lm.trainer.callbacks import FailureEvents
     from raytrain_lm.trainer.loop import train_loop_per_worker
 
+    cfg, run_dir = spec.config, spec.run_dir
     fault = cfg.fault
+    gpu = use_gpu(cfg.scaling)
     # Read by Ray Train's controller, which inherits them from this process.
     os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(fault.worker_start_timeout_s)
     os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = str(fault.health_check_s)
@@ -261,19 +326,18 @@ def _fit(
     os.environ["RAY_TRAIN_COLLECTIVE_TIMEOUT_S"] = str(fault.collective_timeout_s)
     # Ray Train lists the checkpoints reported to it in a snapshot and refuses to start a run
     # whose listed checkpoints are gone, as those we prune are (or a PBT trial's superseded
-    # ones). The loop restores the newest complete checkpoint on disk itself (loop._restore),
-    # so Ray's list is not needed to resume.
-    (run_dir / RAY_TRAIN_SNAPSHOT).unlink(missing_ok=True)
+    # ones). The loop restores the newest complete checkpoint on disk itself, so Ray's list
+    # is not needed to resume.
+    run_dir.ray_train_snapshot.unlink(missing_ok=True)
     trainer = TorchTrainer(
-        train_loop_per_worker,
-        train_loop_config=payload,
+        lambda: train_loop_per_worker(spec),
         torch_config=TorchConfig(
             backend="nccl" if gpu else "gloo", timeout_s=int(fault.collective_timeout_s)
         ),
         scaling_config=_scaling(cfg, gpu),
         run_config=RayRunConfig(
             name=cfg.name,
-            storage_path=str(storage),
+            storage_path=str(run_dir.path.parent),
             # We prune (last K plus the best by val loss): Ray's own keeps only top-K by one score.
             checkpoint_config=CheckpointConfig(num_to_keep=None),
             failure_config=FailureConfig(
@@ -286,13 +350,7 @@ def _fit(
             ],
         ),
     )
-    try:
-        result = trainer.fit()
-    except BaseException:
-        if tracker is not None:
-            tracker.finish("FAILED")
-        raise
-    return dict(result.metrics or {})
+    run_interruptibly(trainer.fit)
 
 
 def _scaling(cfg: RunConfig, gpu: bool):

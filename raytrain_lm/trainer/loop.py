@@ -1,20 +1,28 @@
-"""`train_loop_per_worker`: restore first, then step, then report (Ray's own pattern).
+"""`train_loop_per_worker`: build, restore, then step; periodic work declared in one table
+(Ray's own pattern: restore first, then step, then report).
 
-This is the only module that calls `ray.train.*`. Each worker gets the whole run config but
-hands each component only its own section.
+This module is the only one that calls Ray Train's per-worker API (`ray.train.get_context`,
+`get_checkpoint`, `report`, `get_preemption_info`, `ray.train.torch.prepare_model`). What it
+drives is plain PyTorch and files: one optimizer step (step.py), validation (evaluation.py),
+checkpoint contents (checkpoint.py), the stop and preemption protocol (signals.py), goodput
+events (goodput.py). Each part gets only the settings it needs.
 """
 
 from __future__ import annotations
 
-import contextlib
+import logging
 import sys
 import tempfile
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import ray
+import ray.train
+import ray.train.torch
 import torch
 import torch.distributed as dist
 
@@ -22,88 +30,439 @@ from raytrain_lm.config import RunConfig, to_yaml
 from raytrain_lm.data.ledger import discard_after
 from raytrain_lm.data.manifest import Manifest
 from raytrain_lm.data.order import SequenceOrder
-from raytrain_lm.data.stream import WorkerSlice, stream_train_batches, validation_batches
-from raytrain_lm.model import GPT, GPTShape
+from raytrain_lm.data.stream import WorkerSlice, stream_train_batches
+from raytrain_lm.errors import UserError
+from raytrain_lm.models import build_model
+from raytrain_lm.rundir import CONFIG_FILE, LEDGER_DIR, TOKENIZER_FILE
 from raytrain_lm.tokenization import load_tokenizer
 from raytrain_lm.tracking import MLflowTracker, NullTracker, Tracker
-from raytrain_lm.trainer import faults, hardware
+from raytrain_lm.trainer import faults, hardware, signals
+from raytrain_lm.trainer.cadence import Every
 from raytrain_lm.trainer.callbacks import alive_node_ids
 from raytrain_lm.trainer.checkpoint import (
     TrainState,
-    is_complete,
-    latest_complete_checkpoint,
     load_checkpoint,
     prune_checkpoints,
-    read_state,
+    restore_newest,
     save_checkpoint,
 )
-from raytrain_lm.trainer.goodput import (
-    Heartbeat,
-    append_event,
-    close_previous_segment,
-    read_events,
-    summarize,
-)
-from raytrain_lm.trainer.plan import BatchPlan, learning_rate
+from raytrain_lm.trainer.evaluation import Evaluator, all_reduce_sum
+from raytrain_lm.trainer.goodput import Heartbeat, append_event, close_previous_segment, summarize
+from raytrain_lm.trainer.plan import BatchPlan, end_step, learning_rate
 from raytrain_lm.trainer.progress import ProgressBar
+from raytrain_lm.trainer.spec import WorkerSpec
+from raytrain_lm.trainer.step import StepParts, StepResult, step_seed, train_step
 from raytrain_lm.trainer.watchdog import StepWatchdog
 
 HEARTBEAT_EVERY_S = 0.5
+WARMUP_STEPS = 3  # the first steps of a group pay for start-up: not counted in tokens/s
 
 
-def model_shape(cfg: RunConfig, tokenizer_vocab: int) -> GPTShape:
-    m = cfg.model
-    return GPTShape(
-        vocab_size=m.vocab_size or tokenizer_vocab,
-        block_size=m.block_size,
-        n_layer=m.n_layer,
-        n_head=m.n_head,
-        n_embd=m.n_embd,
-        dropout=m.dropout,
-        bias=m.bias,
-    )
+def train_loop_per_worker(spec: WorkerSpec) -> None:
+    t_start = time.time()
+    _quiet_ray_train_info_logs()
+    context = ray.train.get_context()
+    worker = Worker(spec, context.get_world_rank(), context.get_world_size(), t_start)
+    worker.restore(ray.train.get_checkpoint())
+    worker.start()
+    worker.train()
 
 
-def _all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return values
-    tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-    return tensor.tolist()
+class Worker:
+    """One worker's run: what it built, where it is, and the periodic work of its loop."""
+
+    def __init__(self, spec: WorkerSpec, rank: int, world: int, t_start: float):
+        cfg = spec.config
+        self.spec, self.cfg, self.rank, self.world, self.t_start = spec, cfg, rank, world, t_start
+        self.device = ray.train.torch.get_device()
+        hardware.configure_device(self.device)
+        self.bf16 = hardware.use_bf16(self.device, cfg.training.precision)
+        self.run_dir = spec.run_dir
+        self.is_chief = rank == 0  # the one rank that writes run files, events and metrics
+
+        self.manifest = Manifest.load(spec.data_dir)
+        self.tokenizer_json = load_tokenizer(spec.data_dir).to_json()
+        self.plan = BatchPlan.derive(cfg.training, world)
+        self.end_step = end_step(cfg.training)
+        torch.manual_seed(cfg.training.seed)
+        self.model = build_model(cfg.model, self.manifest.vocab_size).to(self.device)
+        self.optimizer = hardware.build_adamw(
+            self.model.optimizer_groups(cfg.optim.weight_decay),
+            cfg.optim.lr,
+            (cfg.optim.beta1, cfg.optim.beta2),
+            self.device,
+        )
+        self.tracker: Tracker = NullTracker()
+        if self.is_chief and spec.tracking is not None:
+            self.tracker = MLflowTracker(spec.tracking.uri, spec.tracking.run_id)
+        self.flops_per_token = self.model.flops_per_token()
+        self.tokens_per_step = self.plan.global_batch * cfg.model.block_size
+        self.decay_steps = cfg.optim.decay_steps or cfg.training.max_steps
+        self.every = Cadences.of(cfg)
+        self.watchdog = StepWatchdog(cfg.fault.step_timeout_s)
+
+        self.state = TrainState()
+        self.segment = uuid.uuid4().hex[:12]
+        self.events: list[dict[str, Any]] = []
+        self.throughput = Throughput(first_step=0)
+        self.ledger: list[np.ndarray] = []  # positions consumed since the last checkpoint
+        self.last_report_step = 0
+        self.train_loss = float("nan")
+        self.tick = time.perf_counter()
+
+    # ------------------------------------------------------------------------------ restore
+
+    def restore(self, offered) -> None:
+        """Loads the newest checkpoint that verifies and loads. Rank 0 chooses (hashing each
+        file once) and every rank loads its choice, so all ranks start from the same step."""
+        candidates = self.run_dir.checkpoint_folders()
+        if offered is not None and Path(offered.path).is_dir():
+            candidates.append(Path(offered.path))  # normally one of the run directory's own
+        chosen: list[str | None] = [None]
+        if self.is_chief:
+            found = restore_newest(candidates, self.model, self.optimizer, self.device)
+            if found is not None:
+                chosen[0], self.state = str(found[0]), found[1]
+        if dist.is_initialized() and self.world > 1:
+            dist.broadcast_object_list(chosen, src=0)
+            if not self.is_chief and chosen[0] is not None:
+                self.state = load_checkpoint(chosen[0], self.model, self.optimizer, self.device)
+        if chosen[0] is None and self.spec.expect_checkpoint:
+            raise UserError(
+                f"run '{self.cfg.name}' has checkpoints in {self.run_dir} but none can be "
+                "restored; refusing to start from step 0 (remove the run directory to start "
+                "afresh)"
+            )
+        if self.state.position != self.state.step * self.plan.global_batch:
+            raise RuntimeError(
+                f"inconsistent checkpoint: position {self.state.position}, step {self.state.step}"
+            )
+        self.throughput = Throughput(first_step=self.state.step)
+        self.last_report_step = self.state.step
+
+    def start(self) -> None:
+        """Records this worker group's start (events, ledger, first metrics) and announces it."""
+        state, plan = self.state, self.plan
+        price = self.cfg.fault.price_per_hour
+        my_type = _node_accelerator_type() if price else "cpu"
+        group_price = all_reduce_sum([price.get(my_type, price.get("default", 0.0))], self.device)
+        if self.is_chief:
+            if self.cfg.training.ledger:
+                discard_after(self.run_dir.path, state.step)
+            close_previous_segment(self.run_dir.path)
+            self.events = [
+                append_event(
+                    self.run_dir.path,
+                    "segment_start",
+                    segment=self.segment,
+                    t_start=self.t_start,
+                    t_restored=time.time(),
+                    restored_step=state.step,
+                    world_size=self.world,
+                    accumulation=plan.accumulation,
+                    price_per_hour=group_price[0],
+                    nodes=sorted(alive_node_ids()),  # lets a failure tell a lost node
+                )
+            ]
+            origin = f"resumed at step {state.step} ({state.tokens:,} tokens)"
+            _announce(
+                f"{origin if state.step else 'started'}; world size {self.world}, micro-batch "
+                f"{plan.micro_batch}, accumulation {plan.accumulation}, global batch "
+                f"{plan.global_batch}"
+            )
+        self.tracker.log_metrics(
+            {"world_size": self.world, "accumulation_steps": plan.accumulation}, step=state.step
+        )
+
+    # ------------------------------------------------------------------------------ train
+
+    def train(self) -> None:
+        state, every = self.state, self.every
+        parts, batches, evaluate = self._step_parts(), self._batches(), self._evaluator()
+        progress = None
+        if self.is_chief and self.cfg.training.progress:
+            progress = ProgressBar(self.end_step, state.step, self.cfg.training.log_every)
+        self.watchdog.start()
+        self.tick = time.perf_counter()
+        while state.step < self.end_step:
+            result = self._take_step(parts, batches)
+            flags = self._share(result)
+            metrics = self._measure(result)
+            last = state.step == self.end_step
+            if every.heartbeat.due(state.step, self.end_step):
+                self._heartbeat()
+            if every.log.due(state.step, self.end_step) and self.events:
+                metrics.update(self._live_goodput())
+            if every.eval.due(state.step, self.end_step):
+                state.val_loss, state.val_step = evaluate(self.model), state.step
+                metrics["val/loss"] = state.val_loss
+                self._restart_step_clock()  # evaluation time is not step time
+            self.tracker.log_metrics(metrics, step=state.step)
+            if progress is not None:
+                progress.update(state.step, metrics, force="val/loss" in metrics)
+            if flags.raised and not last and self._ends_group(flags):
+                self._report_checkpoint()
+                break
+            if every.checkpoint.due(state.step, self.end_step):
+                self._report_checkpoint()
+                self._restart_step_clock()
+        self._heartbeat()
+        self.watchdog.stop()
+        self.tracker.flush()
+
+    def _take_step(self, parts: StepParts, batches) -> StepResult:
+        cfg, state = self.cfg, self.state
+        torch.manual_seed(step_seed(cfg.training.seed, state.step, self.rank))
+        lr = learning_rate(
+            state.step, cfg.optim.lr, cfg.optim.min_lr, cfg.optim.warmup_steps, self.decay_steps
+        )
+        result = train_step(parts, batches, lr)
+        state.step += 1
+        state.tokens += self.tokens_per_step
+        state.position += self.plan.global_batch
+        if cfg.training.ledger:
+            self.ledger.extend(result.positions)
+        faults.pace(self.spec.fault, self.tick)
+        return result
+
+    def _share(self, result: StepResult) -> Flags:
+        """The one collective of each step: sums the loss, and carries rank 0's signal flags
+        (whether to ask Ray about preemption, whether a stop was requested) to every rank."""
+        ask = self.is_chief and self.every.signals.due(self.state.step, self.end_step)
+        stop = ask and signals.stop_requested(self.run_dir)
+        loss_sum, asks, stops = all_reduce_sum(
+            [float(result.loss), float(ask), float(stop)], self.device
+        )
+        self.train_loss = loss_sum / self.world
+        return Flags(ask=asks > 0, stop=stops > 0)
+
+    def _measure(self, result: StepResult) -> dict[str, float]:
+        now = time.perf_counter()
+        step_time, self.tick = now - self.tick, now
+        self.throughput.add(self.state.step, step_time, self.tokens_per_step)
+        self.watchdog.beat()
+        if self.state.step == self.throughput.first_step + 1 and self.events:
+            self.events.append(self._event("first_step", segment=self.segment))
+        tokens_per_s = self.tokens_per_step / step_time
+        return {
+            "train/loss": self.train_loss,
+            "train/lr": self.optimizer.param_groups[0]["lr"],
+            "train/grad_norm": float(result.grad_norm),
+            "perf/tokens_per_s": tokens_per_s,
+            "perf/mfu": hardware.mfu(self.flops_per_token, tokens_per_s / self.world, self.device),
+            "perf/step_time_s": step_time,
+            "perf/data_wait_fraction": result.data_wait_s / step_time,
+            "progress/tokens": self.state.tokens,
+        }
+
+    def _live_goodput(self) -> dict[str, float]:
+        live = summarize(self.events, time.time())
+        live.step_s += self.throughput.step_seconds
+        return live.metrics(self.state.tokens, self.tokens_per_step)
+
+    def _restart_step_clock(self) -> None:
+        self.tick = time.perf_counter()
+        self.watchdog.beat()
+
+    # ------------------------------------------------------------------------------ parts
+
+    def _step_parts(self) -> StepParts:
+        model = self.model
+        if self.cfg.training.compile:
+            model = torch.compile(model)
+        model = ray.train.torch.prepare_model(model, move_to_device=False)
+        return StepParts(
+            model, self.model, self.optimizer, self.plan, self.device, self.bf16,
+            self.cfg.optim.grad_clip,
+        )  # fmt: skip
+
+    def _evaluator(self) -> Evaluator:
+        cfg = self.cfg
+        return Evaluator(
+            data_dir=self.spec.data_dir,
+            manifest=self.manifest,
+            seq_len=cfg.model.block_size,
+            sequences=cfg.training.eval_sequences,
+            batch=cfg.training.micro_batch_size or self.plan.global_batch // self.world,
+            rank=self.rank,
+            world=self.world,
+            device=self.device,
+            bf16=self.bf16,
+        )
+
+    def _batches(self):
+        cfg = self.cfg
+        order = SequenceOrder(
+            [s.tokens for s in self.manifest.splits["train"].shards],
+            cfg.model.block_size,
+            cfg.data.seed,
+            cfg.data.shuffle_window_shards,
+        )
+        return stream_train_batches(
+            self.spec.data_dir,
+            self.manifest,
+            order,
+            WorkerSlice(self.rank, self.world, self.plan.global_batch),
+            self.plan.micro_batch,
+            self.state.step,
+            self.end_step,
+            read_cpus=self.spec.read_cpus,
+        )
+
+    def _ends_group(self, flags: Flags) -> bool:
+        """After rank 0 raised a flag (every rank calls this at the same step): whether this
+        group ends now, with a checkpoint, for a stop request or a spot notice."""
+        if flags.stop:
+            reason = signals.STOP
+            if self.is_chief:
+                self.events.append(self._event(signals.STOP, step=self.state.step))
+        else:
+            info = ray.train.get_preemption_info()  # a collective: every rank asks
+            if info is None or not self.cfg.fault.checkpoint_on_preemption:
+                return False
+            # A node of ours is being drained: checkpoint now and end this group, so the
+            # driver restarts at once on the nodes that stay; steps taken while waiting for
+            # the node to vanish would only be recomputed.
+            reason = signals.PREEMPTION
+            if self.is_chief:
+                ranks = sorted(info.preempted_ranks)
+                self.events.append(
+                    self._event(
+                        reason, step=self.state.step, deadline_ms=info.deadline_ms, ranks=ranks
+                    )
+                )
+                _announce(f"preemption notice for ranks {ranks}")
+        _announce(
+            f"{reason}: just-in-time checkpoint at step {self.state.step}, then this worker "
+            "group ends",
+            self.is_chief,
+        )
+        return True
+
+    def _report_checkpoint(self) -> None:
+        """Writes the ledger and a checkpoint, and reports both to Ray Train."""
+        state = self.state
+        # Metrics up to this step are stored before the checkpoint exists: a run resumed from
+        # it never logs those steps again, and the worker may be stopped right after the
+        # report (a resize, or Tune pausing or cloning a trial).
+        self.tracker.flush()
+        state.world_size = self.world
+        state.train_loss, state.tokens_per_s = self.train_loss, self.throughput.tokens_per_s
+        if self.ledger:
+            # Positions consumed since the previous checkpoint, one file per rank and
+            # interval: a restart from step k discards files starting at or after k.
+            folder = self.run_dir.path / LEDGER_DIR
+            folder.mkdir(parents=True, exist_ok=True)
+            name = f"steps-{self.last_report_step:09d}-{state.step:09d}-rank{self.rank}.npy"
+            np.save(folder / name, np.concatenate(self.ledger))
+        report = {
+            "step": state.step,
+            "tokens": state.tokens,
+            "train_loss": self.train_loss,
+            "val_loss": state.val_loss,
+            "tokens_per_s": self.throughput.tokens_per_s,
+        }
+        with tempfile.TemporaryDirectory() as tmp:
+            checkpoint = None
+            if self.is_chief:
+                save_checkpoint(
+                    Path(tmp),
+                    self.model,
+                    self.optimizer,
+                    state,
+                    {TOKENIZER_FILE: self.tokenizer_json, CONFIG_FILE: to_yaml(self.cfg)},
+                    partially_written=lambda: faults.maybe_fire(
+                        self.spec.fault,
+                        "kill-in-checkpoint",
+                        state.step,
+                        self.rank,
+                        self.run_dir.path,
+                    ),
+                )
+                checkpoint = ray.train.Checkpoint.from_directory(tmp)
+            ray.train.report(report, checkpoint=checkpoint)
+        if self.is_chief:
+            c = self.cfg.checkpoint
+            prune_checkpoints(self.run_dir.path, c.keep_last, c.keep_best)
+        faults.maybe_fire(
+            self.spec.fault, "kill-after-checkpoint", state.step, self.rank, self.run_dir.path
+        )
+        self.last_report_step = state.step
+        self.ledger = []
+        self.watchdog.beat()
+
+    def _heartbeat(self) -> None:
+        if self.is_chief:
+            beat = Heartbeat(
+                self.segment, self.state.step, time.time(), self.throughput.step_seconds
+            )
+            beat.write(self.run_dir.path)
+
+    def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        return append_event(self.run_dir.path, kind, **fields)
 
 
-@torch.no_grad()
-def evaluate(
-    model: torch.nn.Module,
-    cfg: RunConfig,
-    data_dir: str,
-    manifest: Manifest,
-    rank: int,
-    world: int,
-    device: torch.device,
-    bf16: bool,
-) -> float:
-    """Mean token loss over the fixed validation set; identical whatever the world size."""
-    model.eval()
-    total, count = 0.0, 0
-    batch = cfg.training.micro_batch_size or max(1, cfg.training.global_batch_size // world)
-    for tokens in validation_batches(
-        data_dir, manifest, cfg.model.block_size, cfg.training.eval_sequences, rank, world, batch
-    ):
-        t = torch.from_numpy(tokens.astype(np.int64)).to(device)
-        with hardware.autocast(device, bf16):
-            _, loss = model(t[:, :-1], t[:, 1:])
-        total += float(loss) * t.shape[0]
-        count += t.shape[0]
-    model.train()
-    total, count = _all_reduce_sum([total, float(count)], device)
-    return total / max(count, 1.0)
+@dataclass(frozen=True)
+class Flags:
+    ask: bool  # rank 0's clock says: ask Ray whether one of our nodes is being drained
+    stop: bool  # the driver asked the run to stop
+
+    @property
+    def raised(self) -> bool:
+        return self.ask or self.stop
+
+
+@dataclass(frozen=True)
+class Cadences:
+    """When each periodic part of the loop runs: all of them, in one place."""
+
+    heartbeat: Every  # rank 0's liveness record for goodput (seconds)
+    signals: Every  # rank 0 looks for a stop request and asks about preemption (seconds)
+    log: Every  # progress line and live goodput metrics (steps); step metrics: every step
+    eval: Every  # validation loss (steps, and the last step)
+    checkpoint: Every  # checkpoint + report to Ray Train (steps, and the last step)
+
+    @classmethod
+    def of(cls, cfg: RunConfig) -> Cadences:
+        return cls(
+            heartbeat=Every(seconds=HEARTBEAT_EVERY_S),
+            signals=Every(seconds=cfg.fault.preemption_check_s),
+            log=Every(steps=cfg.training.log_every, at_end=True),
+            eval=Every(steps=cfg.training.eval_every, at_end=True),
+            checkpoint=Every(steps=cfg.checkpoint.every_steps, at_end=True),
+        )
+
+
+class Throughput:
+    """Tokens per second over this group's steps, leaving out the first few (start-up)."""
+
+    def __init__(self, first_step: int):
+        self.first_step = first_step
+        self.step_seconds = 0.0  # every step of this group, for goodput
+        self._tokens, self._seconds = 0, 0.0
+        self._last = float("nan")
+
+    def add(self, step: int, seconds: float, tokens: int) -> None:
+        self.step_seconds += seconds
+        self._last = tokens / seconds
+        if step > self.first_step + WARMUP_STEPS:
+            self._tokens += tokens
+            self._seconds += seconds
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self._tokens / self._seconds if self._seconds else self._last
+
+
+def _announce(message: str, chief: bool = True) -> None:
+    # The real stdout: Ray Train's patched print would echo a line twice once another library
+    # (MLflow) has wrapped sys.stdout.
+    if chief:
+        print(f"[raytrain-lm] {message}", file=sys.__stdout__, flush=True)
 
 
 def _node_accelerator_type() -> str:
     """This worker's node's accelerator type from its Ray resources (`cpu` if none)."""
-    import ray
-
     node_id = ray.get_runtime_context().get_node_id()
     for node in ray.nodes():
         if node["NodeID"] == node_id:
@@ -113,368 +472,11 @@ def _node_accelerator_type() -> str:
     return "cpu"
 
 
-def _restore(checkpoint, run_dir, model, optimizer, device, expect_checkpoint: bool) -> TrainState:
-    """Loads the newest complete checkpoint: the one Ray Train offers, or a newer complete one
-    in the run directory (written and uploaded, but the group failed before Ray registered
-    it; every rank had finished that step's all-reduce, so it is as valid as any other)."""
-    offered = None
-    if checkpoint is not None:
-        with checkpoint.as_directory() as directory:
-            if is_complete(directory):
-                offered = (read_state(directory).step, directory)
-            else:
-                print(f"[raytrain-lm] checkpoint {directory} is incomplete; not loading it")
-    on_disk = latest_complete_checkpoint(run_dir) if run_dir else None
-    if on_disk is not None and (offered is None or read_state(on_disk).step > offered[0]):
-        if offered is not None or checkpoint is not None:
-            print(f"[raytrain-lm] restoring the newer complete checkpoint {on_disk.name}")
-        return load_checkpoint(on_disk, model, optimizer, device)
-    if offered is not None:
-        with checkpoint.as_directory() as directory:
-            return load_checkpoint(directory, model, optimizer, device)
-    if expect_checkpoint:
-        raise RuntimeError(
-            "this run has checkpoints but none is complete; refusing to start from step 0 "
-            "(remove the run directory to start afresh)"
-        )
-    return TrainState()
-
-
-def _step_seed(seed: int, step: int, rank: int) -> int:
-    # Dropout noise is a function of (seed, step, rank), so a resumed run draws the same noise.
-    return (seed * 1_000_003 + step * 7_919 + rank) % (1 << 62)
-
-
 def _quiet_ray_train_info_logs() -> None:
     # Ray Train logs every report and checkpoint at INFO from loggers named by file path,
     # which LoggingConfig does not reach; our progress line already says the same.
-    import logging
-
     from ray.train.v2._internal.execution import context, storage
 
     for module in (context, storage):
         logging.getLogger(module.__file__).setLevel(logging.WARNING)
         logging.getLogger(module.__name__).setLevel(logging.WARNING)
-
-
-def train_loop_per_worker(payload: dict[str, Any]) -> None:
-    import ray.train
-    import ray.train.torch
-
-    t_start = time.time()
-    _quiet_ray_train_info_logs()
-    cfg = RunConfig.model_validate(payload["config"])
-    data_dir: str = payload["data_dir"]
-    context = ray.train.get_context()
-    rank, world = context.get_world_rank(), context.get_world_size()
-    device = ray.train.torch.get_device()
-    hardware.configure_device(device)
-    bf16 = hardware.use_bf16(device, cfg.training.precision)
-
-    manifest = Manifest.load(data_dir)
-    tokenizer_json = load_tokenizer(data_dir).to_json()
-    plan = BatchPlan.derive(cfg.training, world)
-
-    torch.manual_seed(cfg.training.seed)
-    model = GPT(model_shape(cfg, manifest.vocab_size)).to(device)
-    optimizer = hardware.build_adamw(
-        model.optimizer_groups(cfg.optim.weight_decay),
-        cfg.optim.lr,
-        (cfg.optim.beta1, cfg.optim.beta2),
-        device,
-    )
-
-    # --- restore -------------------------------------------------------------------------
-    run_dir: str | None = payload.get("run_dir")
-    fault = faults.parse(payload.get("fault"))
-    state = _restore(
-        ray.train.get_checkpoint(),
-        run_dir,
-        model,
-        optimizer,
-        device,
-        bool(payload.get("expect_checkpoint")),
-    )
-    restored_step = state.step
-    if rank == 0 and cfg.training.ledger and run_dir:
-        discard_after(run_dir, state.step)
-    tracker: Tracker = NullTracker()
-    if rank == 0 and payload.get("tracking_uri") and payload.get("mlflow_run_id"):
-        tracker = MLflowTracker(payload["tracking_uri"], payload["mlflow_run_id"])
-    price = cfg.fault.price_per_hour
-    my_type = _node_accelerator_type() if price else "cpu"
-    group_price = _all_reduce_sum([price.get(my_type, price.get("default", 0.0))], device)[0]
-    segment = uuid.uuid4().hex[:12]
-    events: list[dict[str, Any]] = []
-    if rank == 0 and run_dir:
-        close_previous_segment(run_dir)
-        events = read_events(run_dir)
-        events.append(
-            append_event(
-                run_dir,
-                "segment_start",
-                segment=segment,
-                t_start=t_start,
-                t_restored=time.time(),
-                restored_step=state.step,
-                world_size=world,
-                accumulation=plan.accumulation,
-                price_per_hour=group_price,
-                nodes=sorted(alive_node_ids()),  # lets a failure tell a lost node (callbacks.py)
-            )
-        )
-    if rank == 0:
-        origin = (
-            f"resumed at step {state.step} ({state.tokens:,} tokens)" if state.step else "started"
-        )
-        print(
-            f"[raytrain-lm] {origin}; world size {world}, micro-batch {plan.micro_batch}, "
-            f"accumulation {plan.accumulation}, global batch {plan.global_batch}",
-            file=sys.__stdout__,
-            flush=True,
-        )
-    tracker.log_metrics(
-        {"world_size": world, "accumulation_steps": plan.accumulation}, step=state.step
-    )
-
-    raw_model = model
-    if cfg.training.compile:
-        model = torch.compile(model)
-    model = ray.train.torch.prepare_model(model, move_to_device=False)
-    is_ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
-
-    # --- data ------------------------------------------------------------------------------
-    seq_len = cfg.model.block_size
-    order = SequenceOrder(
-        [s.tokens for s in manifest.splits["train"].shards],
-        seq_len,
-        cfg.data.seed,
-        cfg.data.shuffle_window_shards,
-    )
-    end_step = min(cfg.training.max_steps, cfg.training.stop_after_step or cfg.training.max_steps)
-    part = WorkerSlice(rank, world, plan.global_batch)
-    if state.position != state.step * plan.global_batch:
-        raise RuntimeError(f"inconsistent checkpoint: position {state.position}, step {state.step}")
-    batches = stream_train_batches(
-        data_dir,
-        manifest,
-        order,
-        part,
-        plan.micro_batch,
-        state.step,
-        end_step,
-        read_cpus=payload.get("read_cpus", 0.5),
-    )
-
-    # --- step --------------------------------------------------------------------------------
-    decay = cfg.optim.decay_steps or cfg.training.max_steps
-    tokens_per_step = plan.global_batch * seq_len
-    flops_per_token = raw_model.flops_per_token()
-    progress = None
-    if rank == 0 and cfg.training.progress:
-        progress = ProgressBar(end_step, state.step, cfg.training.log_every)
-    watchdog = StepWatchdog(cfg.fault.step_timeout_s).start()
-    ledger: list[np.ndarray] = []
-    last_report = {"step": state.step, "tokens": state.tokens}
-    train_loss = float("nan")
-    timed_tokens, timed_seconds, warmup_steps = 0, 0.0, state.step + 3
-    step_seconds, last_beat, last_preemption_check = 0.0, 0.0, time.monotonic()
-    preempted = False
-
-    def beat(force: bool = False) -> None:
-        nonlocal last_beat
-        if rank == 0 and run_dir and (force or time.monotonic() - last_beat > HEARTBEAT_EVERY_S):
-            Heartbeat(segment, state.step, time.time(), step_seconds).write(run_dir)
-            last_beat = time.monotonic()
-
-    def report_checkpoint(extra: dict[str, Any] | None = None) -> None:
-        nonlocal last_report, ledger
-        # Metrics up to this step are stored before the checkpoint exists: a run resumed from
-        # it never logs those steps again, and the worker may be stopped right after the
-        # report (a resize, or Tune pausing or cloning a trial).
-        tracker.flush()
-        state.world_size = world
-        report = {
-            "step": state.step,
-            "tokens": state.tokens,
-            "train_loss": train_loss,
-            "val_loss": state.val_loss,
-            "tokens_per_s": timed_tokens / timed_seconds if timed_seconds else tokens_per_s,
-            **(extra or {}),
-        }
-        _report_with_checkpoint(
-            report,
-            state,
-            raw_model,
-            optimizer,
-            rank,
-            tokenizer_json,
-            to_yaml(cfg),
-            ledger,
-            run_dir,
-            last_report,
-            fault,
-        )
-        if rank == 0 and run_dir:
-            prune_checkpoints(run_dir, cfg.checkpoint.keep_last, cfg.checkpoint.keep_best)
-        last_report = {"step": state.step, "tokens": state.tokens}
-        ledger = []
-        watchdog.beat()
-
-    tick = time.perf_counter()
-    while state.step < end_step:
-        lr = learning_rate(
-            state.step, cfg.optim.lr, cfg.optim.min_lr, cfg.optim.warmup_steps, decay
-        )
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        torch.manual_seed(_step_seed(cfg.training.seed, state.step, rank))
-        loss_sum = torch.zeros((), device=device)
-        data_wait = 0.0
-        for micro in range(plan.accumulation):
-            waited = time.perf_counter()
-            positions, tokens = next(batches)
-            data_wait += time.perf_counter() - waited
-            if cfg.training.ledger:
-                ledger.append(positions.copy())  # a view would pin its Ray Data block
-            t = torch.from_numpy(tokens.astype(np.int64)).to(device, non_blocking=True)
-            sync = contextlib.nullcontext()
-            if is_ddp and micro < plan.accumulation - 1:
-                sync = model.no_sync()  # all-reduce gradients once, on the last micro-batch
-            with sync:
-                with hardware.autocast(device, bf16):
-                    _, loss = model(t[:, :-1], t[:, 1:])
-                (loss / plan.accumulation).backward()
-            loss_sum += loss.detach()
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            raw_model.parameters(), cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
-        )
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        state.step += 1
-        state.tokens += tokens_per_step
-        state.position += plan.global_batch
-        faults.pace(fault, tick)
-
-        # Rank 0's clock decides when to ask about preemption; the flag rides on the loss
-        # all-reduce so every rank makes the (collective) call at the same step.
-        ask = rank == 0 and time.monotonic() - last_preemption_check > cfg.fault.preemption_check_s
-        loss_total, asks = _all_reduce_sum(
-            [float(loss_sum) / plan.accumulation, float(ask)], device
-        )
-        train_loss = loss_total / world
-        now = time.perf_counter()
-        step_time, tick = now - tick, now
-        step_seconds += step_time
-        watchdog.beat()
-        tokens_per_s = tokens_per_step / step_time
-        if state.step > warmup_steps:  # the first steps pay for start-up and data warm-up
-            timed_tokens += tokens_per_step
-            timed_seconds += step_time
-        if state.step == restored_step + 1 and rank == 0 and run_dir:
-            events.append(append_event(run_dir, "first_step", segment=segment, step=state.step))
-        beat()
-        metrics = {
-            "train/loss": train_loss,
-            "train/lr": lr,
-            "train/grad_norm": float(grad_norm),
-            "perf/tokens_per_s": tokens_per_s,
-            "perf/mfu": hardware.mfu(flops_per_token, tokens_per_s / world, device),
-            "perf/step_time_s": step_time,
-            "perf/data_wait_fraction": data_wait / step_time,
-            "progress/tokens": state.tokens,
-        }
-        last_step = state.step == end_step
-        if rank == 0 and events and (state.step % cfg.training.log_every == 0 or last_step):
-            live = summarize(events, time.time())
-            live.step_s += step_seconds
-            metrics.update(live.metrics(state.tokens, tokens_per_step))
-        if state.step % cfg.training.eval_every == 0 or last_step:
-            state.val_loss = evaluate(raw_model, cfg, data_dir, manifest, rank, world, device, bf16)
-            state.val_step = state.step
-            metrics["val/loss"] = state.val_loss
-            watchdog.beat()
-            tick = time.perf_counter()  # evaluation time is not step time
-        tracker.log_metrics(metrics, step=state.step)
-        if progress is not None:
-            progress.update(state.step, metrics, force="val/loss" in metrics)
-
-        if asks and not last_step:
-            last_preemption_check = time.monotonic()
-            info = ray.train.get_preemption_info()
-            if info is not None and cfg.fault.checkpoint_on_preemption:
-                # A node of ours is being drained: checkpoint now, then end this worker
-                # group so the driver restarts at once on the nodes that stay. Steps taken
-                # while waiting for the node to vanish would only be recomputed.
-                preempted = True
-                if rank == 0 and run_dir:
-                    events.append(
-                        append_event(
-                            run_dir,
-                            "preemption",
-                            step=state.step,
-                            deadline_ms=info.deadline_ms,
-                            ranks=sorted(info.preempted_ranks),
-                        )
-                    )
-                    print(
-                        f"[raytrain-lm] preemption notice for ranks {sorted(info.preempted_ranks)}"
-                        f"; just-in-time checkpoint at step {state.step}, then resizing",
-                        file=sys.__stdout__,
-                        flush=True,
-                    )
-                report_checkpoint({"preempted": True})
-                tick = time.perf_counter()
-                break
-        if state.step % cfg.checkpoint.every_steps == 0 or last_step:
-            report_checkpoint()
-            tick = time.perf_counter()
-    beat(force=True)
-    watchdog.stop()
-    tracker.flush()
-    if preempted and rank == 0:
-        print("[raytrain-lm] worker group ended for preemption", file=sys.__stdout__, flush=True)
-
-
-def _report_with_checkpoint(
-    report,
-    state,
-    model,
-    optimizer,
-    rank,
-    tokenizer_json,
-    config_yaml,
-    ledger,
-    run_dir,
-    previous,
-    fault=None,
-) -> None:
-    import ray.train
-
-    if ledger and run_dir:
-        # Positions consumed since the previous checkpoint, one file per rank and interval: a
-        # restart from step k discards files starting at or after k (see data/ledger.py).
-        folder = Path(run_dir) / "ledger"
-        folder.mkdir(parents=True, exist_ok=True)
-        np.save(
-            folder / f"steps-{previous['step']:09d}-{state.step:09d}-rank{rank}.npy",
-            np.concatenate(ledger),
-        )
-    with tempfile.TemporaryDirectory() as tmp:
-        checkpoint = None
-        if rank == 0:
-            save_checkpoint(
-                Path(tmp),
-                model,
-                optimizer,
-                state,
-                tokenizer_json,
-                config_yaml,
-                partially_written=lambda: faults.maybe_fire(
-                    fault, "kill-in-checkpoint", state.step, rank, run_dir or tmp
-                ),
-            )
-            checkpoint = ray.train.Checkpoint.from_directory(tmp)
-        ray.train.report(report, checkpoint=checkpoint)
-    if run_dir:  # where the fault's fired-once marker lives
-        faults.maybe_fire(fault, "kill-after-checkpoint", state.step, rank, run_dir)

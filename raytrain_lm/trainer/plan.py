@@ -1,11 +1,12 @@
-"""How a configured global batch maps onto the current world size. Recomputed at every start."""
+"""How a configured global batch maps onto the current world size (recomputed at every start),
+where an invocation stops, and the learning-rate schedule."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from raytrain_lm.config import TrainingConfig
-from raytrain_lm.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -15,25 +16,20 @@ class BatchPlan:
     micro_batch: int  # sequences per worker per forward pass
     accumulation: int  # forward passes per worker per step
 
-    @property
-    def per_rank(self) -> int:
-        return self.micro_batch * self.accumulation
-
     @classmethod
     def derive(cls, cfg: TrainingConfig, world_size: int) -> BatchPlan:
         g = cfg.global_batch_size
-        if g % world_size:
-            raise UserError(
-                f"training.global_batch_size ({g}) is not divisible by the world size ({world_size})"
-            )
-        per_rank = g // world_size
+        per_rank, left = divmod(g, world_size)
         micro = cfg.micro_batch_size or per_rank
-        if per_rank % micro:
-            raise UserError(
-                f"training.global_batch_size ({g}) is not divisible by world size ({world_size})"
-                f" x training.micro_batch_size ({micro})"
-            )
+        # RunConfig refuses a global batch that some allowed world size cannot split evenly
+        # (config.py), so every world size Ray Train may pick divides it here.
+        assert left == 0 and per_rank % micro == 0, (g, world_size, micro)
         return cls(world_size, g, micro, per_rank // micro)
+
+
+def end_step(cfg: TrainingConfig) -> int:
+    """The step this invocation trains to: max_steps, or stop_after_step if that is sooner."""
+    return min(cfg.max_steps, cfg.stop_after_step or cfg.max_steps)
 
 
 def learning_rate(step: int, lr: float, min_lr: float, warmup: int, decay: int) -> float:
@@ -42,8 +38,6 @@ def learning_rate(step: int, lr: float, min_lr: float, warmup: int, decay: int) 
     Keyed to the optimizer step, which counts a fixed number of tokens (the global batch never
     changes with the world size), so the schedule is a function of tokens consumed.
     """
-    import math
-
     if step < warmup:
         return lr * (step + 1) / (warmup + 1)
     if step > decay:

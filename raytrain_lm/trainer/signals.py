@@ -1,0 +1,44 @@
+"""Requests that end a worker group at a step boundary with a checkpoint: a spot notice (Ray
+drains a node of ours) or the user's stop (`raytrain-lm stop`, SIGTERM, Ctrl-C).
+
+The driver asks for a stop by writing a `STOP` file into the run directory; rank 0 looks for it,
+and asks Ray whether a node is being drained, on its own clock (`fault.preemption_check_s`).
+Its answer travels to every rank on the collective each step makes anyway, so all ranks take
+the same just-in-time checkpoint at the same step. Why a group ended is then an event in the
+run's log (`preemption` or `stop`), which the driver reads to decide what comes next.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from raytrain_lm.rundir import RunDir
+
+PREEMPTION = "preemption"
+STOP = "stop"
+
+
+def request_stop(run_dir: RunDir, why: str) -> None:
+    run_dir.stop_request.write_text(json.dumps({"t": time.time(), "why": why}))
+
+
+def clear_stop_request(run_dir: RunDir) -> None:
+    run_dir.stop_request.unlink(missing_ok=True)
+
+
+def stop_requested(run_dir: RunDir) -> bool:
+    return run_dir.stop_request.is_file()
+
+
+def handoff_reason(events: list[dict[str, Any]]) -> str | None:
+    """Why the newest worker group ended itself (`preemption` or `stop`), or None if it did
+    not: it trained to the end of this invocation, or failed."""
+    reason = None
+    for event in events:
+        if event["event"] == "segment_start":
+            reason = None
+        elif event["event"] in (PREEMPTION, STOP):
+            reason = event["event"]
+    return reason

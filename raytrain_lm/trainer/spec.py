@@ -1,0 +1,26 @@
+"""What the driver hands every worker of a run: one frozen, typed record (no loose dict)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from raytrain_lm.config import RunConfig
+from raytrain_lm.rundir import RunDir
+from raytrain_lm.trainer.faults import Fault
+
+
+@dataclass(frozen=True)
+class TrackingTarget:
+    uri: str
+    run_id: str
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    config: RunConfig  # resolved: every path absolute, the tracking URI explicit
+    data_dir: str  # the prepared dataset: a local path or a URI
+    run_dir: RunDir
+    tracking: TrackingTarget | None  # rank 0 logs here; None: tracking disabled
+    expect_checkpoint: bool  # the run checkpointed before: starting at step 0 would be wrong
+    read_cpus: float  # CPUs each Ray Data read task of this worker's stream asks for
+    fault: Fault | None = None  # fault injection for chaos tests (trainer/faults.py)
