@@ -40,6 +40,27 @@ class _Parser(argparse.ArgumentParser):
         raise UserError(message)
 
 
+def _at_least(kind: type, minimum: float):
+    """An argparse `type` reading a `kind` (int or float) no smaller than `minimum`: every
+    numeric flag declares its range with one, so a bad value is a one-line error."""
+    noun = "an integer" if kind is int else "a number"
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not {noun}: {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {text}")
+        return value
+
+    return parse
+
+
+_POSITIVE_INT = _at_least(int, 1)
+_NON_NEGATIVE_FLOAT = _at_least(float, 0)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="raytrain-lm", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -67,7 +88,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     with_config(tok_train)
     tok_train.add_argument("--out", required=True, help="where to write tokenizer.json")
-    tok_train.add_argument("--sample-bytes", type=int, default=20_000_000)
+    tok_train.add_argument(
+        "--sample-bytes",
+        type=_POSITIVE_INT,
+        default=20_000_000,
+        help="train on the first this many bytes of the sources",
+    )
     config = commands.add_parser("config", help="inspect configs")
     config_commands = config.add_subparsers(
         dest="config_command", required=True, parser_class=_Parser
@@ -76,10 +102,14 @@ def _parser() -> argparse.ArgumentParser:
     gen = commands.add_parser("generate", help="sample text from a run or checkpoint")
     gen.add_argument("--run", required=True, help="run name, run folder or checkpoint folder")
     gen.add_argument("--prompt", default="")
-    gen.add_argument("--tokens", type=int, default=200)
-    gen.add_argument("--temperature", type=float, default=0.8)
-    gen.add_argument("--top-k", type=int, default=50)
-    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--tokens", type=_POSITIVE_INT, default=200, help="tokens to generate")
+    gen.add_argument(
+        "--temperature", type=_NON_NEGATIVE_FLOAT, default=0.8, help="0: the likeliest token"
+    )
+    gen.add_argument(
+        "--top-k", type=_POSITIVE_INT, default=50, help="sample among the k likeliest tokens"
+    )
+    gen.add_argument("--seed", type=int, default=0, help="the same seed gives the same text")
     gen.add_argument("--output-dir", default="runs")
     sweep = commands.add_parser(
         "sweep",
@@ -212,7 +242,9 @@ def run(argv: list[str]) -> int:
         print(sample(checkpoint, args.prompt, args.tokens, args.temperature, args.top_k, args.seed))
         return 0
 
-    cfg = load_config(args.config, [*args.set, *short_overrides])
+    # Every path as the run will use it: what `config show` prints, what `prepare` fingerprints
+    # (a tokenizer path spelled differently would otherwise prepare the same data twice).
+    cfg = load_config(args.config, [*args.set, *short_overrides]).resolved()
     if args.command == "config":
         print(to_yaml(cfg), end="")
         return 0

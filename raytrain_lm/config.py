@@ -7,6 +7,7 @@ below *are* the embedded demo: `raytrain-lm train` with no arguments trains on t
 from __future__ import annotations
 
 import difflib
+import os
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -22,8 +23,11 @@ from pydantic import (
 )
 
 from raytrain_lm.errors import UserError
+from raytrain_lm.redaction import redact_tree
 
 RUN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
+TRACKING_URI_ENV = "MLFLOW_TRACKING_URI"
+DEFAULT_TRACKING_DB = "mlflow.db"
 
 
 class _Section(BaseModel):
@@ -231,9 +235,25 @@ class CheckpointConfig(_Section):
     keep_best: bool = Field(True, description="also keep the checkpoint with the best val loss")
 
 
+def _absolute_store_uri(uri: str, base_dir: str | Path) -> str:
+    """`uri` with a relatively named local store (`sqlite:///mlflow.db`, `./mlruns`) made
+    absolute against `base_dir`; servers and absolute paths are returned unchanged."""
+    base = os.path.abspath(base_dir)
+    if uri.startswith("sqlite:///"):
+        path, sep, query = uri.removeprefix("sqlite:///").partition("?")
+        if path and not path.startswith(("/", ":memory:")):
+            return f"sqlite:///{os.path.normpath(os.path.join(base, path))}{sep}{query}"
+    elif uri.startswith((".", "~")) or ("/" in uri and ":" not in uri):
+        # a bare path: MLflow's file store (bare words such as `databricks` are not paths)
+        return os.path.normpath(os.path.join(base, os.path.expanduser(uri)))
+    return uri
+
+
 class TrackingConfig(_Section):
     enabled: bool = True
-    uri: str | None = Field(None, description="MLflow URI; else $MLFLOW_TRACKING_URI; else sqlite")
+    uri: str | None = Field(
+        None, description="MLflow URI; else $MLFLOW_TRACKING_URI; else sqlite:///./mlflow.db"
+    )
     experiment: str = "raytrain-lm"
     start_wait_s: float = Field(
         600.0,
@@ -241,6 +261,12 @@ class TrackingConfig(_Section):
         description="how long a run (or a sweep's trial) waits for an unreachable tracking "
         "store before it starts; once running, an outage only buffers metrics",
     )
+
+    def store_uri(self, base_dir: str | Path) -> str:
+        """The store a run logs to: `uri`, else $MLFLOW_TRACKING_URI, else an sqlite file
+        `mlflow.db`; a local file named relatively is taken relative to `base_dir`."""
+        uri = self.uri or os.environ.get(TRACKING_URI_ENV) or f"sqlite:///{DEFAULT_TRACKING_DB}"
+        return _absolute_store_uri(uri, base_dir)
 
 
 class RunConfig(_Section):
@@ -254,6 +280,36 @@ class RunConfig(_Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     fault: FaultConfig = Field(default_factory=FaultConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+
+    def resolved(self, base_dir: str | Path | None = None) -> RunConfig:
+        """A copy in which every local path is absolute, taken relative to `base_dir` (default:
+        the working directory), and `tracking.uri` names the store the run will use (see
+        `TrackingConfig.store_uri`). URIs (`s3://...`) and `builtin:` corpora are kept as given.
+
+        Ray Train workers, Tune trials and job drivers run in working directories of their own
+        (under Ray's session folder): resolving once, on the driver, makes them all read and
+        write the files the user named, and never consult the environment for the store."""
+        from raytrain_lm.storage import is_uri  # pyarrow: too heavy for every import
+
+        base = os.path.abspath(base_dir if base_dir is not None else os.getcwd())
+
+        def absolute(path: str) -> str:
+            if is_uri(path) or path.startswith("builtin:"):
+                return path
+            return os.path.normpath(os.path.join(base, os.path.expanduser(path)))
+
+        cfg = self.model_copy(deep=True)
+        cfg.output_dir = absolute(cfg.output_dir)
+        data = cfg.data
+        data.sources = [absolute(source) for source in data.sources]
+        data.cache_dir = absolute(data.cache_dir)
+        if data.prepared:
+            data.prepared = absolute(data.prepared)
+        if data.tokenizer.path:
+            data.tokenizer.path = absolute(data.tokenizer.path)
+        if cfg.tracking.enabled:
+            cfg.tracking.uri = cfg.tracking.store_uri(base)
+        return cfg
 
     @model_validator(mode="after")
     def _batch_fits_workers(self) -> RunConfig:
@@ -398,4 +454,7 @@ def flatten(cfg: BaseModel | dict[str, Any], prefix: str = "") -> dict[str, Any]
 
 
 def to_yaml(cfg: RunConfig) -> str:
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+    """`cfg` as YAML with its secrets hidden (`redaction`): every config a run writes down
+    (its run directory, checkpoints, MLflow artifact) or prints goes through here. Readers of
+    such a file (resume checks, `generate`) need no secret, and the file still validates."""
+    return yaml.safe_dump(redact_tree(cfg.model_dump(mode="json")), sort_keys=False)

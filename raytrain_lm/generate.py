@@ -10,6 +10,7 @@ import yaml
 from raytrain_lm.config import RunConfig
 from raytrain_lm.errors import UserError
 from raytrain_lm.model import GPT
+from raytrain_lm.models import build_model
 from raytrain_lm.tokenization import Tokenizer, load_tokenizer
 from raytrain_lm.trainer.checkpoint import (
     CONFIG_FILE,
@@ -36,11 +37,9 @@ def resolve_checkpoint(run_or_checkpoint: str, output_dir: str = "runs") -> Path
 def load_model(checkpoint: Path, device: str = "cpu") -> tuple[GPT, Tokenizer]:
     from safetensors.torch import load_file
 
-    from raytrain_lm.trainer.loop import model_shape
-
     cfg = RunConfig.model_validate(yaml.safe_load((checkpoint / CONFIG_FILE).read_text()))
     tokenizer = load_tokenizer(checkpoint)
-    model = GPT(model_shape(cfg, tokenizer.vocab_size))
+    model = build_model(cfg.model, tokenizer.vocab_size)
     load_model_state(model, load_file(str(checkpoint / MODEL_FILE), device=device))
     return model.to(device).eval(), tokenizer
 
@@ -53,6 +52,14 @@ def sample(
     top_k: int | None = 50,
     seed: int = 0,
 ) -> str:
+    """`prompt` (included) continued by `max_new_tokens` (at least 1) tokens, each drawn among
+    the `top_k` likeliest (None: all) at `temperature` (0: always the likeliest)."""
+    if max_new_tokens < 1:
+        raise UserError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    if temperature < 0:
+        raise UserError(f"temperature must be at least 0, got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise UserError(f"top_k must be at least 1 (None: no limit), got {top_k}")
     model, tokenizer = load_model(checkpoint)
     ids = tokenizer.encode(prompt) or [tokenizer.eot_id]
     generator = torch.Generator().manual_seed(seed)

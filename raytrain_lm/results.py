@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from raytrain_lm.errors import UserError
+from raytrain_lm.rundir import RunDir
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -21,20 +22,15 @@ if TYPE_CHECKING:
 
 def run_directory(run: str | Path, output_dir: str | Path = "runs") -> Path:
     """The folder of `run`: `run` itself if it is a run directory, else `output_dir/run`."""
-    from raytrain_lm.trainer.goodput import EVENTS_FILE
-    from raytrain_lm.trainer.launch import TRACKING_FILE
-
     for candidate in (Path(run), Path(output_dir) / run):
-        if (candidate / TRACKING_FILE).is_file() or (candidate / EVENTS_FILE).is_file():
+        if RunDir(candidate).is_run():
             return candidate
     raise UserError(f"no run named '{run}' (looked for it in {Path(output_dir).resolve()}/)")
 
 
 def mlflow_run(run: str | Path, output_dir: str | Path = "runs") -> tuple[str, str]:
     """(tracking URI, MLflow run id) of `run`."""
-    from raytrain_lm.trainer.launch import TRACKING_FILE
-
-    path = run_directory(run, output_dir) / TRACKING_FILE
+    path = RunDir(run_directory(run, output_dir)).tracking
     if not path.is_file():
         raise UserError(f"run '{run}' has no MLflow run (it was trained with tracking disabled)")
     record = json.loads(path.read_text())
@@ -80,7 +76,8 @@ def sample(
     """Text generated from `prompt` (included) by the run's newest complete checkpoint.
 
     `run` is a run name under `output_dir`, a run directory or a checkpoint folder; the same
-    seed gives the same text.
+    seed gives the same text. `max_new_tokens` and `top_k` (None: no limit) must be at least
+    1 and `temperature` at least 0 (0: always the likeliest token), else `UserError`.
     """
     from raytrain_lm.generate import resolve_checkpoint
     from raytrain_lm.generate import sample as _sample

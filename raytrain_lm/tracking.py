@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import sys
 import tempfile
 import threading
@@ -20,23 +19,10 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from raytrain_lm.config import TrackingConfig
+from raytrain_lm.errors import UserError
+from raytrain_lm.redaction import redact
 
-DEFAULT_DB = "mlflow.db"
-REDACTED = "***"
 SPOOL_ENV = "RAYTRAIN_LM_TRACKING_SPOOL"
-# Words that make a key look like it holds a credential. Whole words only: `data.shard_tokens`
-# and `data.tokenizer.kind` are settings, `hf_token` and `aws_secret_access_key` are secrets.
-_SECRET_WORDS = {
-    "token",
-    "secret",
-    "password",
-    "passwd",
-    "key",
-    "apikey",
-    "credential",
-    "credentials",
-    "auth",
-}
 
 
 class Tracker(Protocol):
@@ -69,26 +55,9 @@ class NullTracker:
 
 
 def resolve_tracking_uri(cfg: TrackingConfig, base_dir: str | Path = ".") -> str:
-    """Config, then $MLFLOW_TRACKING_URI, then an embedded sqlite file in `base_dir`."""
-    if cfg.uri:
-        return cfg.uri
-    if os.environ.get("MLFLOW_TRACKING_URI"):
-        return os.environ["MLFLOW_TRACKING_URI"]
-    return f"sqlite:///{Path(base_dir).resolve() / DEFAULT_DB}"
-
-
-def looks_secret(key: str) -> bool:
-    """True for keys such as `hf_token`, `db.password`, `aws_secret_access_key`, `apiKey`."""
-    last = re.split(r"[./]", key)[-1]
-    words = re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", last).lower()
-    return any(word in _SECRET_WORDS for word in re.split(r"[_\-\s]+", words))
-
-
-def redact(values: dict[str, Any]) -> dict[str, Any]:
-    """The same mapping with the values of secret-looking keys replaced."""
-    return {
-        k: (REDACTED if looks_secret(k) and v not in (None, "") else v) for k, v in values.items()
-    }
+    """The store a run logs to (`TrackingConfig.store_uri`); `RunConfig.resolved` already
+    put it in `tracking.uri`."""
+    return cfg.store_uri(base_dir)
 
 
 def _spool_dir() -> Path:
@@ -151,7 +120,8 @@ class MLflowTracker:
         creates a new MLflow run, nested under `parent_run_id` when given.
 
         A run cannot start without its run id, so while the store is unreachable this waits
-        for it, up to `wait_s` (a sweep's trial or a restart during an outage), then raises."""
+        for it, up to `wait_s` (a sweep's trial or a restart during an outage), then raises a
+        `UserError` naming the store and `tracking.start_wait_s`."""
         _retry_on_our_schedule(uri)
         deadline = time.monotonic() + wait_s
         warned = False
@@ -160,8 +130,15 @@ class MLflowTracker:
                 tracker = cls._open(uri, experiment, run_name, run_id, parent_run_id)
                 break
             except Exception as exc:
-                if _permanent(exc) or time.monotonic() >= deadline:
+                if _permanent(exc):
                     raise
+                if time.monotonic() >= deadline:
+                    raise UserError(
+                        f"tracking store {uri} unreachable: could not open run '{run_name}' "
+                        f"within {wait_s:g} s (tracking.start_wait_s); start the store, point "
+                        f"tracking.uri elsewhere or set tracking.enabled=false "
+                        f"({type(exc).__name__})"
+                    ) from exc
                 if not warned:
                     print(
                         f"[raytrain-lm] warning: tracking store {uri} unreachable "

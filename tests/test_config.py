@@ -1,11 +1,15 @@
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
-from raytrain_lm.config import RunConfig, flatten, load_config, parse_override
+from raytrain_lm.cli import run as cli_run
+from raytrain_lm.config import RunConfig, flatten, load_config, parse_override, to_yaml
 from raytrain_lm.errors import UserError
+from raytrain_lm.redaction import REDACTED, redact
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -74,13 +78,130 @@ def test_flatten_gives_dotted_scalars():
     assert flat["data.tokenizer.kind"] == "byte"
 
 
-def _cli(args, cwd):
+def test_resolved_makes_every_local_path_absolute_once(tmp_path, monkeypatch):
+    """Ray's workers and trials run in folders of their own: every relative path a user can
+    give is taken relative to the driver's working directory, URIs and builtins are kept."""
+    notebook = tmp_path / "notebooks"
+    notebook.mkdir()
+    monkeypatch.chdir(notebook)
+    given = load_config(
+        None,
+        [
+            "output_dir=runs",
+            "data.sources=[corpus/, ./a.txt, 'texts/*.txt', s3://bucket/x.jsonl, builtin:python-docs]",
+            "data.cache_dir=../data",
+            "data.prepared=data/0123",
+            "data.tokenizer.path=tok/tokenizer.json",
+            "tracking.uri=sqlite:///mlflow.db",
+        ],
+    )
+    cfg = given.resolved()
+    assert cfg.output_dir == str(notebook / "runs")
+    assert cfg.data.sources == [
+        str(notebook / "corpus"),
+        str(notebook / "a.txt"),
+        str(notebook / "texts" / "*.txt"),
+        "s3://bucket/x.jsonl",
+        "builtin:python-docs",
+    ]
+    assert cfg.data.cache_dir == str(tmp_path / "data")
+    assert cfg.data.prepared == str(notebook / "data" / "0123")
+    assert cfg.data.tokenizer.path == str(notebook / "tok" / "tokenizer.json")
+    assert cfg.tracking.uri == f"sqlite:///{notebook / 'mlflow.db'}"
+    assert given.output_dir == "runs" and given.tracking.uri == "sqlite:///mlflow.db"  # a copy
+    assert cfg.resolved() == cfg  # resolving again changes nothing
+    other = tmp_path / "elsewhere"
+    assert given.resolved(other).output_dir == str(other / "runs")
+    assert cfg.resolved(other) == cfg  # absolute already
+
+
+@pytest.mark.parametrize(
+    "uri, env, expected",
+    [
+        ("sqlite:///./x.db", None, "sqlite:///{cwd}/x.db"),
+        ("sqlite:///db/x.db?timeout=30", None, "sqlite:///{cwd}/db/x.db?timeout=30"),
+        ("sqlite:////abs/x.db", None, "sqlite:////abs/x.db"),
+        ("sqlite:///:memory:", None, "sqlite:///:memory:"),
+        ("http://127.0.0.1:5000", "sqlite:///env.db", "http://127.0.0.1:5000"),
+        ("databricks", None, "databricks"),
+        ("./mlruns", None, "{cwd}/mlruns"),
+        (None, "sqlite:///env.db", "sqlite:///{cwd}/env.db"),
+        (None, "https://mlflow.example.com", "https://mlflow.example.com"),
+        (None, None, "sqlite:///{cwd}/mlflow.db"),
+    ],
+)
+def test_resolved_tracking_store(tmp_path, monkeypatch, uri, env, expected):
+    """`tracking.uri`, else $MLFLOW_TRACKING_URI, else mlflow.db here: written into the
+    config, so that no worker reads the environment or its own working directory."""
+    monkeypatch.chdir(tmp_path)
+    if env is None:
+        monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    else:
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", env)
+    cfg = load_config(None, [f"tracking.uri='{uri}'"] if uri else [])
+    assert cfg.resolved().tracking.uri == expected.format(cwd=tmp_path)
+    disabled = load_config(None, ["tracking.enabled=false"]).resolved()
+    assert disabled.tracking.uri is None
+
+
+def test_config_yaml_hides_secrets_by_the_params_rule_and_reads_back():
+    """The run's config.yaml (and its MLflow artifact) hides exactly what the MLflow params
+    hide, and still validates: resume checks and `generate` read it back."""
+    cfg = load_config(
+        None,
+        [
+            "scaling.label_selector.hf_token=hf_abc",
+            "scaling.label_selector.zone=us-a",
+            "scaling.worker_resources.license_key=2",
+        ],
+    )
+    text = to_yaml(cfg)
+    assert "hf_abc" not in text
+    back = RunConfig.model_validate(yaml.safe_load(text))
+    assert back.scaling.label_selector == {"hf_token": REDACTED, "zone": "us-a"}
+    assert back.scaling.worker_resources == {"license_key": 2.0}  # a count, not a secret
+    assert flatten(back) == redact(flatten(cfg))
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--tokens", "-5"], "argument --tokens: must be at least 1, got -5"),
+        (["--tokens", "0"], "argument --tokens: must be at least 1, got 0"),
+        (["--tokens", "1.5"], "argument --tokens: not an integer: '1.5'"),
+        (["--top-k", "0"], "argument --top-k: must be at least 1, got 0"),
+        (["--temperature", "-0.1"], "argument --temperature: must be at least 0, got -0.1"),
+        (["--temperature", "warm"], "argument --temperature: not a number: 'warm'"),
+        (["--sample-bytes", "0"], "argument --sample-bytes: must be at least 1, got 0"),
+    ],
+)
+def test_cli_numbers_out_of_range_are_refused(args, message):
+    command = ["tokenizer", "train", "--out", "tok"] if "--sample-bytes" in args else []
+    with pytest.raises(UserError) as err:
+        cli_run([*(command or ["generate", "--run", "anything"]), *args])
+    assert str(err.value) == message
+
+
+def test_sampling_refuses_the_values_the_cli_refuses():
+    from raytrain_lm.generate import sample
+
+    for bad, message in [
+        ({"max_new_tokens": -5}, "max_new_tokens must be at least 1, got -5"),
+        ({"top_k": 0}, "top_k must be at least 1"),
+        ({"temperature": -1.0}, "temperature must be at least 0, got -1.0"),
+    ]:
+        with pytest.raises(UserError, match=message):
+            sample(Path("no-checkpoint-needed"), "def ", **bad)
+
+
+def _cli(args, cwd, env=None):
     return subprocess.run(
         [sys.executable, "-m", "raytrain_lm.cli", *args],
         cwd=cwd,
         capture_output=True,
         text=True,
         timeout=120,
+        env=env,
     )
 
 
@@ -96,6 +217,7 @@ def _cli(args, cwd):
         (["train", "--set", "output_dir=/proc/forbidden"], "not writable"),
         (["prepare", "--set", "data.sources=nowhere/*.txt"], "input not found"),
         (["generate", "--run", "nope"], "no run or checkpoint named 'nope'"),
+        (["generate", "--run", "nope", "--top-k", "0"], "argument --top-k: must be at least 1"),
         (["frobnicate"], "invalid choice"),
     ],
 )
@@ -113,13 +235,26 @@ def test_cli_user_errors_are_one_line_exit_2_and_write_nothing(tmp_path, args, m
 
 
 def test_config_show_prints_the_resolved_config(tmp_path):
+    """What a run here would use: absolute paths, the store from the environment, no secret."""
     result = _cli(
-        ["config", "show", str(ROOT / "experiments" / "nanogpt_cpu_baby.yaml"), "--optim.lr=5e-4"],
+        [
+            "config",
+            "show",
+            str(ROOT / "experiments" / "nanogpt_cpu_baby.yaml"),
+            "--optim.lr=5e-4",
+            "--scaling.label_selector.auth_token=s3cr3t",
+        ],
         tmp_path,
+        env={**os.environ, "MLFLOW_TRACKING_URI": "sqlite:///./store.db"},
     )
     assert result.returncode == 0, result.stderr
-    shown = result.stdout
-    assert "lr: 0.0005" in shown and "kind: char" in shown and "block_size: 64" in shown
+    shown = yaml.safe_load(result.stdout)
+    assert shown["optim"]["lr"] == 5e-4 and shown["data"]["tokenizer"]["kind"] == "char"
+    assert shown["model"]["block_size"] == 64
+    assert shown["output_dir"] == str(tmp_path / "runs")
+    assert shown["data"]["cache_dir"] == str(tmp_path / "data")
+    assert shown["tracking"]["uri"] == f"sqlite:///{tmp_path / 'store.db'}"
+    assert "s3cr3t" not in result.stdout
 
 
 def test_cli_refuses_a_corrupted_shard_before_training(tmp_path):

@@ -93,3 +93,7 @@ def test_history_and_sample_of_a_trained_run(tiny_overrides, tmp_path):
     assert text.startswith("def ") and len(text) > len("def ")
     # the same seed, the same text; from the run directory as from its name
     assert raytrain_lm.sample(runs / "readback", max_new_tokens=16) == text
+    # what `raytrain-lm generate` refuses, the API refuses too
+    for bad in ({"max_new_tokens": -5}, {"top_k": 0}, {"temperature": -1.0}):
+        with pytest.raises(UserError, match="must be at least"):
+            raytrain_lm.sample("readback", output_dir=runs, **bad)

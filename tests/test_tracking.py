@@ -10,7 +10,9 @@ from mlflow.tracking import MlflowClient
 
 import raytrain_lm
 from raytrain_lm.config import load_config
-from raytrain_lm.tracking import REDACTED, MLflowTracker, looks_secret, redact
+from raytrain_lm.errors import UserError
+from raytrain_lm.redaction import REDACTED, looks_secret, redact
+from raytrain_lm.tracking import MLflowTracker
 
 
 @pytest.mark.parametrize(
@@ -31,6 +33,19 @@ from raytrain_lm.tracking import REDACTED, MLflowTracker, looks_secret, redact
 def test_secret_looking_keys(key, secret):
     assert looks_secret(key) is secret
     assert (redact({key: "v"})[key] == REDACTED) is secret
+    assert redact({key: 2.0, "x": ""}) == {key: 2.0, "x": ""}  # only text is ever a secret
+
+
+def test_giving_up_on_an_unreachable_store_is_one_user_error():
+    """After `tracking.start_wait_s` the run is refused in one line naming the store and the
+    setting, instead of MLflow's traceback."""
+    started = time.monotonic()
+    with pytest.raises(UserError) as err:
+        MLflowTracker.start("http://127.0.0.1:1", "nowhere", "refused", None, wait_s=1)
+    message = str(err.value)
+    assert "tracking store http://127.0.0.1:1 unreachable" in message
+    assert "within 1 s (tracking.start_wait_s)" in message and "\n" not in message
+    assert time.monotonic() - started < 60
 
 
 @pytest.fixture
@@ -51,7 +66,7 @@ def test_tracker_buffers_while_the_server_is_down(server):
     tracker.log_metrics({"train/loss": 1.0}, step=1)
     tracker.flush()
     server.stop()
-    with pytest.raises(Exception):  # noqa: B017 (whatever MLflow raises for a refused connection)
+    with pytest.raises(UserError, match="unreachable: could not open run 'no-wait' within 0 s"):
         MLflowTracker.start(server.uri, "down", "no-wait", None, wait_s=0)
     opened: dict = {}
 
