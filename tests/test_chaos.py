@@ -134,7 +134,9 @@ def test_drain_writes_a_just_in_time_checkpoint_and_loses_no_step(
     cluster, chaos_overrides, tmp_path, monkeypatch
 ):
     """c. a spot notice (drain with the preemption reason and a deadline): a just-in-time
-    checkpoint is written at once and the next worker group starts from exactly that step."""
+    checkpoint is written at once and the next worker group starts from exactly that step, on
+    the nodes that stay, while the drained node is still up: with the default worker-start
+    timeout (10 minutes), the restart does not ask for a worker it cannot place."""
     steps = 400
     run_dir = tmp_path / "runs" / "drain"
     overrides = [
@@ -144,24 +146,29 @@ def test_drain_writes_a_just_in_time_checkpoint_and_loses_no_step(
         "scaling.max_workers=3",
         f"training.max_steps={steps}",
         "checkpoint.every_steps=1000",  # the periodic checkpoint would lose many steps
+        "fault.worker_start_timeout_s=600",  # the default: a wrongly sized restart waits it out
     ]
     monkeypatch.setenv(faults.ENV_VAR, "slow-steps:seconds=0.05")
     run = Background(lambda: _train(overrides))
     wait_for_event(run_dir, lambda e: e["event"] == "first_step", 180, still_running=run)
     time.sleep(3)
     drained_at = time.time()
-    node = cluster.drain_node(deadline_s=60)
+    node = cluster.drain_node(deadline_s=120)  # AWS gives two minutes' notice
     notice = wait_for_event(
         run_dir, lambda e: e["event"] == "preemption", 60, after=drained_at, still_running=run
     )
-    resumed = wait_for_event(
+    first_step = wait_for_event(
         run_dir,
-        lambda e: e["event"] == "segment_start" and e["t"] > notice["t"],
-        120,
+        lambda e: e["event"] == "first_step" and e["t"] > notice["t"],
+        100,
         still_running=run,
     )
+    resumed = segments(run_dir)[-1]
+    assert resumed["segment"] == first_step["segment"]
     assert resumed["restored_step"] == notice["step"]  # the just-in-time checkpoint
     assert resumed["world_size"] == 2  # nothing lands on the draining node
+    # Training went on well before the node's deadline, let alone the start timeout.
+    assert first_step["t"] - notice["t"] < 60, first_step["t"] - notice["t"]
     cluster.kill_node(node)  # the cloud takes the machine at its deadline
 
     summary = run.wait(600)

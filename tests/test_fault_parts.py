@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -174,3 +175,73 @@ def test_watchdog_ends_a_stuck_worker():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 70
     assert "no step finished" in done.stderr and "Stacks follow" in done.stderr
+
+
+def test_a_damaged_checkpoint_is_skipped_for_the_one_before(tmp_path, capfd):
+    """Complete means loadable: the newest checkpoint's weights altered in place (same size,
+    so the marker's sizes still match) fail the marker's checksum, and restore falls back to
+    the checkpoint before; a checkpoint that cannot load at all is skipped the same way."""
+    from raytrain_lm.trainer.checkpoint import damage, restore_newest
+
+    older, newer = _save(tmp_path, 1), _save(tmp_path, 2)
+    weights = newer / "model.safetensors"
+    altered = bytearray(weights.read_bytes())
+    altered[-1] ^= 0xFF
+    weights.write_bytes(bytes(altered))
+    assert is_complete(newer) and "checksum" in damage(newer)
+    assert damage(older) is None
+
+    model = GPT(GPTShape(vocab_size=16, block_size=4, n_layer=1, n_head=1, n_embd=8))
+    optimizer = torch.optim.AdamW(model.parameters())
+    directory, state = restore_newest([older, newer], model, optimizer, torch.device("cpu"))
+    assert directory == older and state.step == 1
+    assert "cannot restore checkpoint_0002" in capfd.readouterr().out
+
+    # A marker without checksums (as written before they were recorded) and a header that
+    # safetensors refuses: loading fails, so it is skipped too.
+    marker = json.loads((newer / "COMPLETE").read_text())
+    (newer / "COMPLETE").write_text(
+        json.dumps({"files": {k: v["size"] for k, v in marker["files"].items()}})
+    )
+    weights.write_bytes(b"\xff" * len(altered))
+    assert is_complete(newer) and damage(newer) is None
+    directory, _ = restore_newest([newer, older], model, optimizer, torch.device("cpu"))
+    assert directory == older
+    assert restore_newest([newer], model, optimizer, torch.device("cpu")) is None
+
+
+def test_graceful_stop_requests_once_then_forces(tmp_path):
+    """The first SIGTERM writes a stop request and lets the run go on; a second ends the
+    driver at once; with no second signal, fault.stop_timeout_s ends it."""
+    code = (
+        "import os, signal, sys, time\n"
+        "from pathlib import Path\n"
+        "from raytrain_lm.rundir import RunDir\n"
+        "from raytrain_lm.trainer.stopping import GracefulStop, run_interruptibly\n"
+        "run_dir = RunDir(Path(sys.argv[1]))\n"
+        "def work():\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    time.sleep(0.5)\n"
+        "    print('requested', run_dir.stop_request.is_file(), flush=True)\n"
+        "    if sys.argv[2] == 'twice':\n"
+        "        os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    time.sleep(30)\n"
+        "with GracefulStop(run_dir, timeout_s=float(sys.argv[3])):\n"
+        "    try:\n"
+        "        run_interruptibly(work)\n"
+        "    except KeyboardInterrupt:\n"
+        "        print('forced', flush=True)\n"
+        "print('left', run_dir.stop_request.is_file(), flush=True)\n"
+    )
+    for mode, timeout in (("twice", 60.0), ("once", 1.5)):
+        started = time.monotonic()
+        done = subprocess.run(
+            [sys.executable, "-c", code, str(tmp_path), mode, str(timeout)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.split() == ["requested", "True", "forced", "left", "False"], mode
+        assert time.monotonic() - started < 20
+        assert "stopping at the next step with a checkpoint" in done.stderr

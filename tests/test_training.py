@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 
 import raytrain_lm
 from raytrain_lm.config import load_config
+from raytrain_lm.errors import find_user_error
 
 
 def _run(overrides: list[str]) -> dict:
@@ -27,6 +28,10 @@ def _history(summary: dict, uri: str, key: str = "train/loss") -> list[tuple[int
 
 def _uri(overrides: list[str]) -> str:
     return next(o.split("=", 1)[1] for o in overrides if o.startswith("tracking.uri="))
+
+
+def _output_dir(overrides: list[str]) -> str:
+    return next(o.split("=", 1)[1] for o in overrides if o.startswith("output_dir="))
 
 
 def test_two_worker_run_learns_and_is_tracked(ray_session, tiny_overrides, tmp_path):
@@ -64,9 +69,12 @@ def test_two_worker_run_learns_and_is_tracked(ray_session, tiny_overrides, tmp_p
     final = {a.path for a in client.list_artifacts(run.info.run_id, "final")}
     assert {"final/model.safetensors", "final/tokenizer.json"} <= final
 
-    # Starting the same run again resumes it: nothing left to do, same MLflow run.
+    # Starting the same run again resumes it: nothing left to do, same MLflow run, and the
+    # summary gives the figures of the run as it finished.
     again = _run(overrides)
     assert again["steps"] == 40 and again["mlflow_run_id"] == summary["mlflow_run_id"]
+    for key in ("train_loss", "val_loss", "tokens_per_s", "checkpoint"):
+        assert again[key] == summary[key] and again[key] is not None, key
 
     from raytrain_lm.generate import resolve_checkpoint, sample
 
@@ -158,6 +166,26 @@ def test_changed_model_on_resume_is_refused(ray_session, tiny_overrides):
     with pytest.raises(UserError, match="exists with model.n_layer=2, now 3"):
         _run([*overrides, "model.n_layer=3"])
 
+    # Weights altered in place (sizes unchanged): the worker finds no checkpoint that
+    # verifies and refuses to start from step 0, in one line.
+    from raytrain_lm.trainer.checkpoint import complete_checkpoints
+
+    run_dir = Path(_output_dir(overrides)) / "refuse"
+    (checkpoint,) = complete_checkpoints(run_dir)
+    weights = checkpoint / "model.safetensors"
+    weights.write_bytes(bytes(b ^ 0xFF for b in weights.read_bytes()))
+    longer = [*overrides, "training.max_steps=4", "fault.max_failures=0"]
+    with pytest.raises(Exception) as raised:
+        _run(longer)
+    assert "none can be restored; refusing to start from step 0" in str(
+        find_user_error(raised.value)
+    )
+    # Weights cut short: no checkpoint is complete any more; refused before anything starts.
+    with open(weights, "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(UserError, match="none is complete; refusing to start from step 0"):
+        _run(longer)
+
 
 def test_restarts_at_other_world_sizes_match_an_uninterrupted_run(
     ray_session, tiny_overrides, tmp_path
@@ -200,3 +228,55 @@ def test_restarts_at_other_world_sizes_match_an_uninterrupted_run(
         ]
         assert summary["val_loss"] == pytest.approx(straight["val_loss"], abs=1e-3), sizes
         assert summary["goodput"]["restarts"] == 2
+
+
+def test_a_stop_request_ends_the_run_at_a_step_with_a_checkpoint(
+    ray_session, tiny_overrides, tmp_path, monkeypatch
+):
+    """SIGTERM to the driver (what `raytrain-lm stop` and `ray job stop` send) mid-run, far
+    from any periodic checkpoint: the workers checkpoint at the next step and end, the run
+    says it stopped, and the same command later resumes from exactly there: no step lost,
+    every sequence once."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from raytrain_lm.data.ledger import read_ledger
+    from raytrain_lm.trainer import faults
+    from raytrain_lm.trainer.goodput import Heartbeat, read_events
+
+    steps = 40
+    overrides = [
+        *tiny_overrides,
+        "name=stopped",
+        f"training.max_steps={steps}",
+        f"training.eval_every={steps}",
+        f"checkpoint.every_steps={steps}",
+        "training.ledger=true",
+        "fault.preemption_check_s=0.5",
+    ]
+    run_dir = tmp_path / "runs" / "stopped"
+
+    def stop_after_a_few_steps() -> None:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            beat = Heartbeat.read(run_dir)
+            if beat is not None and beat.step >= 5:
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+            time.sleep(0.1)
+
+    monkeypatch.setenv(faults.ENV_VAR, "slow-steps:seconds=0.2")
+    threading.Thread(target=stop_after_a_few_steps, daemon=True).start()
+    stopped = _run(overrides)
+    assert stopped["stopped"] and 5 <= stopped["steps"] < steps
+    (stop,) = [e for e in read_events(run_dir) if e["event"] == "stop"]
+    assert stop["step"] == stopped["steps"]  # the checkpoint is the stop's own step
+    assert not (run_dir / "STOP").exists()
+
+    monkeypatch.delenv(faults.ENV_VAR)
+    finished = _run(overrides)
+    assert finished["steps"] == steps and not finished["stopped"]
+    assert finished["goodput"]["steps_recomputed"] == 0
+    assert read_ledger(run_dir).tolist() == list(range(steps * 8))

@@ -36,9 +36,19 @@ def schedulable_nodes() -> list[dict[str, Any]]:
     return [n for n in ray.nodes() if n["NodeID"] not in draining]
 
 
+def _head_node_id() -> str:
+    import ray
+
+    for node in ray.nodes():
+        if node.get("Alive") and "node:__internal_head__" in node.get("Resources", {}):
+            return node["NodeID"]
+    return ray.get_runtime_context().get_node_id()
+
+
 def create_capacity_view() -> None:
-    """Creates Ray Data's autoscaling coordinator on this (the driver's) node with
-    `schedulable_nodes` as its view of the cluster, unless one exists already."""
+    """Creates Ray Data's autoscaling coordinator with `schedulable_nodes` as its view of the
+    cluster, unless one exists already. On the head node, which is never preempted: Ray would
+    put it on the node of whoever asks first, a worker's when Ray Data runs inside Train."""
     try:
         import ray
         from ray.data._internal.cluster_autoscaler import default_autoscaling_coordinator as dac
@@ -51,9 +61,7 @@ def create_capacity_view() -> None:
             namespace="AutoscalingCoordinator",
             get_if_exists=True,
             lifetime="detached",
-            scheduling_strategy=NodeAffinitySchedulingStrategy(
-                ray.get_runtime_context().get_node_id(), soft=False
-            ),
+            scheduling_strategy=NodeAffinitySchedulingStrategy(_head_node_id(), soft=False),
         )
         with dac._get_or_create_lock:
             actor.remote(get_cluster_nodes=schedulable_nodes)

@@ -189,8 +189,7 @@ def restore_newest(
             except Exception as exc:  # damaged in a way the checksum could not see
                 problem = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         print(
-            f"[raytrain-lm] checkpoint {directory.name} cannot be restored ({problem}); "
-            "trying the one before it",
+            f"[raytrain-lm] cannot restore {directory.name} ({problem}); trying the one before it",
             file=sys.__stdout__,
             flush=True,
         )

@@ -64,10 +64,11 @@ def train(
     run_dir = RunDir.of(storage, cfg.name)
     _check_writable(storage)
     _check_resume_compatible(cfg, run_dir, may_change)
-    data_dir = _prepared_data(cfg)
-    ensure_ray(cfg.scaling)
+    ensure_ray(cfg.scaling)  # sized for training, before prepare's Ray Data job would start one
+    # Before any Ray Data or Ray Train work: both create these cluster-wide actors otherwise.
     keep_gpu_nodes_releasable()
     create_capacity_view()
+    data_dir = _prepared_data(cfg)
 
     previous = latest_complete_checkpoint(run_dir.path)
     checkpointed = ever_checkpointed(run_dir.path)
@@ -120,8 +121,6 @@ def train(
 
 def _prepared_data(cfg: RunConfig) -> str:
     """Prepares (or finds) the run's dataset and refuses data the model cannot use."""
-    if not cfg.data.prepared:
-        ensure_ray(cfg.scaling)  # prepare runs as a Ray Data job; size Ray for training first
     prepared = prepare(cfg.data)
     manifest = prepared.manifest
     # Refuse corrupted data before starting. Shards the verification stamp vouches for are not

@@ -53,7 +53,11 @@ class GracefulStop:
     def _on_signal(self, number: int, frame: Any) -> None:
         name = signal.Signals(number).name
         if self.requested:
-            print(f"[raytrain-lm] {name} again: ending now, without a checkpoint", flush=True)
+            print(
+                f"[raytrain-lm] {name} again: ending now, without a checkpoint",
+                file=sys.stderr,
+                flush=True,
+            )
             raise KeyboardInterrupt
         self.requested = True
         request_stop(self.run_dir, why=name)
