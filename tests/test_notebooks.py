@@ -1,5 +1,11 @@
-"""The notebooks run top to bottom in a fresh Jupyter kernel, with small settings injected
-after their `parameters` cell (as papermill does), and are committed without outputs.
+"""The notebooks run top to bottom in a fresh Jupyter kernel exactly as committed, in their own
+folder as Jupyter runs them, and are committed without outputs.
+
+Nothing is injected: the one switch is the environment variable each notebook documents,
+`RAYTRAIN_LM_NOTEBOOK_SMALL=1`, which makes it a smoke test of a tiny model. The folder is a
+copy of notebooks/ with the repository's experiments/ beside it, so every relative path in a
+notebook (`runs`, `data`, `sqlite:///mlflow.db`, `../experiments/...`) names what it names in
+the repository, and what the notebook writes stays in the test's temporary folder.
 
 Each kernel is its own process with its own Ray: a local one for the quickstart and the sweep
 (never the test session's, hence `own_ray`), a multi-node `LocalCluster` for the elastic
@@ -11,21 +17,19 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 from pathlib import Path
 
 import nbformat
 import pytest
-import yaml
-from conftest import TINY
 from nbclient import NotebookClient
 
-from raytrain_lm.chaos import segments
+from raytrain_lm.clusters.multinode import segments
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 KERNEL = "raytrain-lm-tests"
-# The live progress line is part of what the quickstart shows: leave it on.
-NOTEBOOK_TINY = [o for o in TINY if not o.startswith("training.progress")]
+SMALL = "RAYTRAIN_LM_NOTEBOOK_SMALL"
 
 
 @pytest.fixture(scope="module")
@@ -41,26 +45,33 @@ def kernel(tmp_path_factory):
         yield KERNEL
 
 
-def run_notebook(name: str, params: dict, cwd: Path, timeout: int = 600):
-    """Executes notebooks/`name` in `cwd` with `params` set right after its parameters cell;
-    returns the executed notebook (a failing cell raises CellExecutionError) and leaves a copy
-    in `cwd`."""
-    nb = nbformat.read(ROOT / "notebooks" / name, as_version=4)
-    index = next(i for i, c in enumerate(nb.cells) if "parameters" in c.metadata.get("tags", []))
-    injected = "\n".join(f"{key} = {value!r}" for key, value in params.items())
-    nb.cells.insert(
-        index + 1, nbformat.v4.new_code_cell(injected, metadata={"tags": ["injected-parameters"]})
-    )
+@pytest.fixture(scope="module")
+def notebooks_dir(tmp_path_factory) -> Path:
+    """A copy of notebooks/ (the notebooks and the files they read), experiments/ beside it.
+    One for the three, as a user runs them: they share the prepared data and the store."""
+    root = tmp_path_factory.mktemp("checkout")
+    folder = root / "notebooks"
+    folder.mkdir()
+    for file in [*NOTEBOOKS, *(ROOT / "notebooks").glob("*.yaml")]:
+        shutil.copy(file, folder)
+    (root / "experiments").symlink_to(ROOT / "experiments")
+    return folder
+
+
+def run_notebook(folder: Path, name: str, timeout: int = 600):
+    """Executes `folder/name` as it is, in `folder`, with the small switch on; returns the
+    executed notebook (a failing cell raises CellExecutionError) and leaves it in `folder`."""
+    nb = nbformat.read(folder / name, as_version=4)
     # The test session's Ray exports its address; a kernel that inherited it would join it.
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {SMALL: "1"}
     client = NotebookClient(
-        nb, timeout=timeout, kernel_name=KERNEL, resources={"metadata": {"path": str(cwd)}}
+        nb, timeout=timeout, kernel_name=KERNEL, resources={"metadata": {"path": str(folder)}}
     )
     try:
         client.execute(env=env)
     finally:
         # The executed copy, outputs and cell timings included, for reading after a failure.
-        nbformat.write(nb, cwd / name)
+        nbformat.write(nb, folder / name)
     return nb
 
 
@@ -82,8 +93,12 @@ def has_image(cell) -> bool:
     return any("image/png" in out.get("data", {}) for out in cell.outputs)
 
 
+def tracking_uri(run_dir: Path) -> str:
+    return json.loads((run_dir / "tracking.json").read_text())["tracking_uri"]
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
-def test_committed_notebooks_have_no_outputs(path):
+def test_committed_notebooks_have_no_outputs_and_document_the_small_switch(path):
     nb = nbformat.read(path, as_version=4)
     nbformat.validate(nb)
     for i, cell in enumerate(nb.cells):
@@ -92,6 +107,9 @@ def test_committed_notebooks_have_no_outputs(path):
             assert cell.execution_count is None, f"{path.name} cell {i} has an execution count"
     params = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
     assert len(params) == 1, f"{path.name}: exactly one cell must be tagged `parameters`"
+    assert SMALL in params[0].source, f"{path.name}: the parameters cell ignores {SMALL}"
+    told = [c for c in nb.cells if c.cell_type == "markdown" and f"{SMALL}=1" in c.source]
+    assert told, f"{path.name}: no markdown cell tells what {SMALL}=1 does"
 
 
 def test_every_notebook_is_tested():
@@ -99,69 +117,36 @@ def test_every_notebook_is_tested():
     assert names == {"01_quickstart.ipynb", "02_sweeps.ipynb", "03_elastic.ipynb"}
 
 
+def test_the_sweep_file_shown_is_the_one_the_sweeps_notebook_runs():
+    nb = nbformat.read(ROOT / "notebooks" / "02_sweeps.ipynb", as_version=4)
+    shown = next(c.source for c in nb.cells if c.source.startswith("## The sweep file"))
+    block = re.search(r"```yaml\n(.*?)```", shown, re.S).group(1)
+    assert '"../experiments/sweeps/lr_width.yaml"' in cell_with(nb, "SWEEP_FILE =").source
+    assert block == (ROOT / "experiments" / "sweeps" / "lr_width.yaml").read_text()
+
+
 @pytest.mark.own_ray
-def test_quickstart(kernel, tmp_path, shared_dirs):
+def test_quickstart(kernel, notebooks_dir):
+    nb = run_notebook(notebooks_dir, "01_quickstart.ipynb")
     steps = 12
-    nb = run_notebook(
-        "01_quickstart.ipynb",
-        {
-            "NAME": "nb-quickstart",
-            "STEPS": steps,
-            "OUTPUT_DIR": str(tmp_path / "runs"),
-            "TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",
-            "OVERRIDES": [
-                *NOTEBOOK_TINY,
-                f"data.cache_dir={shared_dirs['data']}",
-                "training.log_every=4",
-                "training.eval_every=6",
-            ],
-            "SAMPLE_TOKENS": 40,
-        },
-        tmp_path,
-    )
     trained = outputs_text(cell_with(nb, "raytrain_lm.train("))
     assert f"{steps}/{steps} | loss" in trained, "no live progress line in the training cell"
     assert f"'steps': {steps}" in trained
+    # Ray Train's workers run elsewhere: a relative store must still be this folder's.
+    assert "dropped metrics" not in trained, trained
+    run_dir = notebooks_dir / "runs" / "quickstart"
+    assert tracking_uri(run_dir) == f"sqlite:///{notebooks_dir / 'mlflow.db'}"
     assert has_image(cell_with(nb, "plt.subplots")), "the loss plot was not displayed"
     sample = outputs_text(cell_with(nb, "raytrain_lm.sample("))
     assert sample.startswith("def ") and len(sample) > len("def ")
-    summary = json.loads((tmp_path / "runs" / "nb-quickstart" / "summary.json").read_text())
+    summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == steps and summary["mlflow_run_id"]
+    assert (notebooks_dir / "data").is_dir(), "the prepared data is not next to the notebook"
 
 
 @pytest.mark.own_ray
-def test_sweeps(kernel, tmp_path, shared_dirs):
-    sweep_file = tmp_path / "tiny-sweep.yaml"
-    sweep_file.write_text(
-        yaml.safe_dump(
-            {
-                "name": "nb-sweep",
-                "config": {
-                    "training": {"max_steps": 6, "eval_every": 2},
-                    "checkpoint": {"every_steps": 2},
-                    "scaling": {"num_workers": 1},
-                },
-                "space": {
-                    "optim.lr": {"loguniform": [1e-3, 1e-2]},
-                    "model.n_embd": {"choice": [32, 48]},
-                },
-                "num_samples": 2,
-                "max_concurrent_trials": 2,
-            }
-        )
-    )
-    nb = run_notebook(
-        "02_sweeps.ipynb",
-        {
-            "SWEEP_FILE": str(sweep_file),
-            "NUM_CPUS": 5,  # two trials side by side: a worker and a Ray Data CPU each
-            "OUTPUT_DIR": str(tmp_path / "runs"),
-            "TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",
-            "OVERRIDES": [*NOTEBOOK_TINY, f"data.cache_dir={shared_dirs['data']}"],
-            "SAMPLE_TOKENS": 40,
-        },
-        tmp_path,
-    )
+def test_sweeps(kernel, notebooks_dir):
+    nb = run_notebook(notebooks_dir, "02_sweeps.ipynb")
     table = cell_with(nb, "pd.json_normalize").outputs[0].data["text/plain"]
     assert len(re.findall(r"^\d+\s+\w+_\d{5}\s", table, re.M)) == 2, table  # one row a trial
     assert "optim.lr" in table and "model.n_embd" in table, table
@@ -169,32 +154,17 @@ def test_sweeps(kernel, tmp_path, shared_dirs):
     assert has_image(cell_with(nb, "metric_history(")), "trial curves: no plot"
     best = outputs_text(cell_with(nb, "raytrain_lm.sample("))
     assert re.match(r"best trial \S+: val loss \d", best) and "\ndef " in best, best
-    assert (tmp_path / "runs" / "nb-sweep" / "sweep.json").is_file()
+    sweep = json.loads((notebooks_dir / "runs" / "small-sweep" / "sweep.json").read_text())
+    assert sweep["tracking_uri"] == f"sqlite:///{notebooks_dir / 'mlflow.db'}"
 
 
 @pytest.mark.chaos
-def test_elastic(kernel, tmp_path, shared_dirs):
-    run_dir = tmp_path / "runs" / "nb-elastic"
-    nb = run_notebook(
-        "03_elastic.ipynb",
-        {
-            "NAME": "nb-elastic",
-            "STEPS": 400,  # >= 40 s of steps: long enough to shrink, then grow, mid-run
-            "STEP_DELAY_S": 0.1,
-            "OUTPUT_DIR": str(tmp_path / "runs"),
-            "TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",
-            "OVERRIDES": [
-                *(o for o in NOTEBOOK_TINY if not o.startswith("training.global_batch_size")),
-                f"data.cache_dir={shared_dirs['data']}",
-                "training.log_every=50",
-                "training.eval_every=100000",
-            ],
-        },
-        tmp_path,
-        timeout=900,
-    )
+def test_elastic(kernel, notebooks_dir):
+    nb = run_notebook(notebooks_dir, "03_elastic.ipynb", timeout=900)
+    (run_dir,) = (notebooks_dir / "runs").glob("elastic-*")
     sizes = [s["world_size"] for s in segments(run_dir)]
     assert sizes[0] == 3 and 2 in sizes and sizes[-1] == 3, sizes
     ledger = outputs_text(cell_with(nb, "read_ledger(run_dir)"))
     assert "repeated: 0, skipped: 0" in ledger, ledger
     assert has_image(cell_with(nb, "twinx()")), "loss and world size: no plot"
+    assert tracking_uri(run_dir) == f"sqlite:///{notebooks_dir / 'mlflow.db'}"
