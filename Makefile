@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed-stamp
 # The CPU wheel of torch; on a GPU machine use e.g. `make demo TORCH_SPEC=torch`.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: demo test lint format benchmark clean
+.PHONY: install demo test lint format benchmark clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
@@ -14,6 +14,9 @@ $(STAMP): pyproject.toml
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[dev]"
 	@touch $(STAMP)
+
+# Only set up .venv with the package and its dev tools (what `raytrain-lm cluster up` needs).
+install: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/raytrain-lm train

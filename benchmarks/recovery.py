@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import raytrain_lm  # noqa: E402
-from raytrain_lm.chaos import (  # noqa: E402
+from raytrain_lm.clusters.multinode import (  # noqa: E402
     TINY_MODEL,
     Background,
     LocalCluster,

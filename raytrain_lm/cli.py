@@ -171,10 +171,10 @@ def _add_cluster_commands(commands) -> None:
 
 def _run_cluster_command(args) -> int:
     if args.command == "cluster":
-        from raytrain_lm import cluster_local
+        from raytrain_lm.clusters import autoscaling
 
         if args.cluster_command == "up":
-            state = cluster_local.up(args.config, args.dir)
+            state = autoscaling.up(args.config, args.dir)
             print(f"local cluster up: Ray at {state['address']}, jobs at {state['dashboard']}")
             print(
                 f"  submit: raytrain-lm submit experiments/demo.yaml --address {state['dashboard']}"
@@ -182,11 +182,11 @@ def _run_cluster_command(args) -> int:
             print(f"  status: RAY_AUTH_MODE=token ray status --address {state['address']}")
             print(f"  stop:   raytrain-lm cluster down --dir {args.dir}")
             return 0
-        ended = cluster_local.down(args.dir)
+        ended = autoscaling.down(args.dir)
         print(f"local cluster down: ended {ended} processes")
         return 0
 
-    from raytrain_lm import jobs
+    from raytrain_lm.clusters import jobs
 
     if args.command == "submit":
         storage = args.storage or jobs.DEFAULT_STORAGE

@@ -1,9 +1,13 @@
-"""Where a run's workers may go: resources and selectors from `scaling`, nothing else.
+"""Where a run's workers may go: resources and selectors from `scaling`, nothing else; and
+withdrawing what a run asked the autoscaler for once it is over.
 
 Nodes say what they are through Ray resources: `accelerator_type:<TYPE>` (Ray adds it on GPU
-nodes; cluster configs set it on fake nodes) and `spot` or `on_demand` (set by our cluster
-configs). A worker asking for a tiny amount of such a resource can only land on such a node,
-and the autoscaler (v1 and v2) launches a node type that has it.
+nodes; cluster configs set it on fake nodes), `cpu_node` (our cluster configs' worker types
+without GPUs) and `spot` or `on_demand` (set by our cluster configs). A worker asking for a
+tiny amount of such a resource can only land on such a node, and the autoscaler (v1 and v2)
+launches a node type that has it. Workers of a run that names no GPU type and uses no GPU ask
+for `cpu_node` where the cluster has such nodes, so they never take (or make the autoscaler
+launch) a GPU node, nor the head.
 
 Mixing accelerator types in one DDP group goes through a label selector instead, since
 resources cannot say "A100 or H100": `ray.io/accelerator-type` is a label Ray sets by itself on
@@ -13,12 +17,18 @@ launches nodes for label selectors; with v1 a mixed run uses the GPU nodes alrea
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from raytrain_lm.config import ScalingConfig
 
 MARKER_AMOUNT = 0.001  # asks for a node kind without using up its capacity
 ACCELERATOR_LABEL = "ray.io/accelerator-type"
+CPU_NODE = "cpu_node"
+# "1" in the environment of a cluster's head when its worker types include `cpu_node` ones; our
+# cluster configs set it, and job drivers on the head inherit it. A cluster scaled to zero shows
+# no such node, and the v1 autoscaler (`ray up`) publishes no node types, so nothing else tells.
+CPU_NODES_ENV = "RAYTRAIN_LM_CPU_NODES"
 
 
 def accelerator_types(scaling: ScalingConfig) -> list[str]:
@@ -38,6 +48,10 @@ def choose_accelerator(types: list[str], cluster_resources: dict[str, float]) ->
     return best if present[best] > 0 else types[0]
 
 
+def offers_cpu_nodes(cluster_resources: dict[str, float]) -> bool:
+    return os.environ.get(CPU_NODES_ENV) == "1" or cluster_resources.get(CPU_NODE, 0.0) > 0
+
+
 def worker_resources(
     scaling: ScalingConfig, gpu: bool, cluster_resources: dict[str, float]
 ) -> dict[str, Any]:
@@ -54,6 +68,8 @@ def worker_resources(
         resources[f"accelerator_type:{chosen}"] = MARKER_AMOUNT
     elif types:
         extra["label_selector"] = {ACCELERATOR_LABEL: f"in({','.join(types)})"}
+    elif not gpu and offers_cpu_nodes(cluster_resources):
+        resources[CPU_NODE] = MARKER_AMOUNT
     if scaling.label_selector:
         extra["label_selector"] = {**extra.get("label_selector", {}), **scaling.label_selector}
     return {"resources_per_worker": resources, **extra}
@@ -78,3 +94,25 @@ def keep_gpu_nodes_releasable() -> None:
     except ImportError:  # a Ray without the tracker has nothing to pin
         return
     get_or_create_actor_location_tracker()
+
+
+def release_resource_requests(run_id: str) -> None:
+    """Withdraws what Ray Train run `run_id` asked the autoscaler for (no-op if nothing).
+
+    Ray Train's controller registers its workers' resources with Ray Data's
+    AutoscalingCoordinator (a detached actor), renews them every 20 s with a 180 s expiry, and
+    withdraws them only when the controller shuts down or is aborted. A controller that dies
+    with its driver (a stopped job's driver killed after its grace period, a signal the driver
+    does not handle) never does: the coordinator keeps passing the request on to the autoscaler
+    until it expires, and the worker nodes stay up about 3 minutes after the run. Call this
+    when a run ends however it ended; `run_id` is `trainer.train_run_context.run_id` on the
+    driver. Names are those of Ray 2.60 (data/_internal/cluster_autoscaler,
+    train/v2/_internal/execution/scaling_policy).
+    """
+    import ray
+
+    try:
+        coordinator = ray.get_actor("AutoscalingCoordinator", namespace="AutoscalingCoordinator")
+    except ValueError:  # nothing on this cluster ever asked the coordinator for resources
+        return
+    ray.get(coordinator.cancel_request.remote(f"train-{run_id}"), timeout=30)

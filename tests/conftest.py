@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from raytrain_lm.chaos import TINY_MODEL
+from raytrain_lm.clusters.multinode import TINY_MODEL
 
 os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
@@ -67,7 +67,7 @@ def tiny_overrides(tmp_path, shared_dirs) -> list[str]:
 def mlflow_server(tmp_path_factory):
     """One real MLflow tracking server (sqlite backend, 127.0.0.1) for the session: starting
     one takes long on a busy machine. A test that stops it starts it again."""
-    from mlflow_server import MlflowServer
+    from support.mlflow_server import MlflowServer
 
     server = MlflowServer(tmp_path_factory.mktemp("mlflow-server"))
     server.start()

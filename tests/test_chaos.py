@@ -1,4 +1,4 @@
-"""Chaos tests on a local multi-node Ray (raytrain_lm.chaos.LocalCluster): nodes are killed,
+"""Chaos tests on a local multi-node Ray (raytrain_lm.clusters.multinode.LocalCluster): nodes are killed,
 drained and added while runs train; every test checks the data ledger and the final state.
 
 Marked `chaos`: `make test` runs them in their own pytest process after the others, because
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 import raytrain_lm
-from raytrain_lm.chaos import Background, LocalCluster, segments, wait_for_event
+from raytrain_lm.clusters.multinode import Background, LocalCluster, segments, wait_for_event
 from raytrain_lm.config import load_config
 from raytrain_lm.data.ledger import read_ledger
 from raytrain_lm.trainer import faults

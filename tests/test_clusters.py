@@ -1,22 +1,33 @@
 """Cluster configs are product: each validates against Ray's own autoscaler schema and keeps the
-promises docs/clusters.md makes (on-demand GPU-free head, spot GPU types with markers, bounded
-scale, token auth, localhost dashboard, SSH-only ingress); KubeRay manifests agree with each
-other and with `raytrain-lm submit`; placement asks for what the nodes advertise."""
+promises docs/clusters.md makes (on-demand GPU-free head, spot GPU types and CPU types with
+markers, bounded scale, token auth, localhost dashboard, SSH-only ingress); KubeRay manifests
+agree with each other and with `raytrain-lm submit`; placement asks for what the nodes
+advertise; uploads and `ray up`'s rsync leave out runs and data but keep the package."""
 
 from __future__ import annotations
 
 import json
 import re
 import shlex
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
 
+from raytrain_lm.clusters.autoscaling import offers_cpu_nodes
+from raytrain_lm.clusters.jobs import UPLOAD_EXCLUDES, entrypoint
 from raytrain_lm.config import load_config
 from raytrain_lm.errors import UserError
-from raytrain_lm.jobs import UPLOAD_EXCLUDES, entrypoint
-from raytrain_lm.placement import ACCELERATOR_LABEL, MARKER_AMOUNT, worker_resources
+from raytrain_lm.placement import (
+    ACCELERATOR_LABEL,
+    CPU_NODE,
+    CPU_NODES_ENV,
+    MARKER_AMOUNT,
+    release_resource_requests,
+    worker_resources,
+)
 from raytrain_lm.trainer.hardware import gpu_peak_flops
 
 pytestmark = pytest.mark.cluster
@@ -31,9 +42,12 @@ def _load(name: str) -> dict:
 
 
 def _markers(resources: dict) -> tuple[list[str], list[str]]:
-    types = [k.split(":", 1)[1] for k in resources if k.startswith("accelerator_type:")]
+    """The node kinds a resource dict advertises (GPU types, or "cpu"), and its capacity."""
+    kinds = [k.split(":", 1)[1] for k in resources if k.startswith("accelerator_type:")]
+    if resources.get(CPU_NODE):
+        kinds.append("cpu")
     capacity = [k for k in ("spot", "on_demand") if resources.get(k)]
-    return types, capacity
+    return kinds, capacity
 
 
 @pytest.mark.parametrize("name", CLOUD)
@@ -62,18 +76,32 @@ def test_node_types_keep_the_placement_contract(name):
     assert head["resources"].get("GPU", 0) == 0
     assert _markers(head["resources"]) == ([], []), "training workers must not fit on the head"
     workers = {k: v for k, v in types.items() if k != config["head_node_type"]}
-    assert len({_markers(v["resources"])[0][0] for v in workers.values()}) >= 2
-    capacities = []
+    offered = set()
     for node_type, spec in workers.items():
-        accel, capacity = _markers(spec["resources"])
-        assert len(accel) == 1 and spec["resources"][f"accelerator_type:{accel[0]}"] == 1, node_type
-        assert len(capacity) == 1, f"{node_type} must say spot or on_demand"
-        assert spec["resources"]["GPU"] >= 1, node_type
+        (kind,), (capacity,) = _markers(spec["resources"])  # exactly one of each
+        if kind == "cpu":
+            assert spec["resources"].get("GPU", 0) == 0, node_type
+        else:
+            assert spec["resources"][f"accelerator_type:{kind}"] == 1, node_type
+            assert spec["resources"]["GPU"] >= 1, node_type
         assert spec.get("min_workers", 0) == 0, node_type
         assert 1 <= spec["max_workers"] <= config["max_workers"], node_type
-        capacities.append(capacity[0])
-    assert "on_demand" in capacities and capacities.count("spot") >= 2
+        offered.add((kind, capacity))
+    gpu_kinds = {kind for kind, _ in offered if kind != "cpu"}
+    assert len(gpu_kinds) >= 2 and ("cpu", "spot") in offered and ("cpu", "on_demand") in offered
+    assert any(c == "on_demand" for k, c in offered if k != "cpu")
+    assert sum(c == "spot" for k, c in offered if k != "cpu") >= 2
     assert 0 < config["idle_timeout_minutes"] <= 15
+
+
+@pytest.mark.parametrize("name", [*CLOUD, "local.yaml"])
+def test_heads_tell_drivers_the_cluster_has_cpu_nodes(name):
+    """CPU-only runs ask for `cpu_node` only where the head's environment says it exists."""
+    config = _load(name)
+    if name == "local.yaml":
+        assert offers_cpu_nodes(config)  # `cluster up` then sets the variable
+    else:
+        assert f"{CPU_NODES_ENV}=1 ray start --head" in " ".join(config["head_start_ray_commands"])
 
 
 def test_spot_markers_match_the_instances_billing():
@@ -134,21 +162,26 @@ def test_kuberay_manifests_use_one_image_built_from_this_repo():
 
 def test_kuberay_worker_groups_carry_markers_and_spot_scheduling():
     for spec in _cluster_specs():
+        kinds = set()
         for group in spec["workerGroupSpecs"]:
             raw = group["rayStartParams"]["resources"]
             resources = json.loads(raw.strip('"').replace('\\"', '"'))
-            accel, capacity = _markers(resources)
-            assert len(accel) == 1 and len(capacity) == 1, group["groupName"]
+            (kind,), (capacity,) = _markers(resources)  # exactly one of each
             assert group["minReplicas"] == 0 and group["maxReplicas"] >= 1
             pod = group["template"]["spec"]
             spot_selector = pod["nodeSelector"].get("cloud.google.com/gke-spot") == "true"
             spot_toleration = any(
                 t["key"] == "cloud.google.com/gke-spot" for t in pod.get("tolerations", [])
             )
-            is_spot = capacity == ["spot"]
+            is_spot = capacity == "spot"
             assert spot_selector == is_spot and spot_toleration == is_spot, group["groupName"]
-            gpus = pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]
-            assert int(gpus) >= 1
+            gpus = pod["containers"][0]["resources"]["limits"].get("nvidia.com/gpu", "0")
+            assert (int(gpus) >= 1) == (kind != "cpu"), group["groupName"]
+            kinds.add(kind)
+        # CPU-only runs ask for `cpu_node` only where the head's environment says it exists.
+        head_env = spec["headGroupSpec"]["template"]["spec"]["containers"][0].get("env", [])
+        announced = {"name": CPU_NODES_ENV, "value": "1"} in head_env
+        assert announced == ("cpu" in kinds)
 
 
 def test_rayjob_runs_what_submit_sends():
@@ -206,20 +239,41 @@ def test_peak_flops_by_accelerator_type():
     assert gpu_peak_flops("TPU-V4") is None
 
 
+# A working dir as users have it: runs and prepared data at the top and next to the notebooks
+# (their default relative paths), MLflow stores, and the package's own data code.
+WORKING_DIR = {
+    "raytrain_lm/data/stream.py": True,
+    "raytrain_lm/data/__init__.py": True,
+    "experiments/demo.yaml": True,
+    "notebooks/03_elastic.ipynb": True,
+    "data/abc/shard-0.parquet": False,
+    "data/abc/manifest.json": False,
+    "runs/demo/summary.json": False,
+    "notebooks/runs/elastic-1/events.jsonl": False,
+    "notebooks/data/abc/manifest.json": False,
+    "notebooks/mlflow.db": False,
+    "mlruns/0/meta.yaml": False,
+    ".git/HEAD": False,
+    ".venv/bin/python": False,
+}
+
+
+def _layout(root: Path) -> None:
+    for rel in WORKING_DIR:
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text("x")
+
+
+def _kept(root: Path) -> list[str]:
+    return sorted(
+        str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and p.name != ".gitignore"
+    )
+
+
 def test_upload_excludes_keep_code_and_drop_outputs(tmp_path):
     from ray._private.runtime_env.packaging import _dir_travel, _get_excludes
 
-    for rel in [
-        "raytrain_lm/data/stream.py",
-        "experiments/demo.yaml",
-        "data/abc/shard-0.parquet",
-        "runs/demo/summary.json",
-        ".git/HEAD",
-        ".venv/bin/python",
-        "mlflow.db",
-    ]:
-        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / rel).write_text("x")
+    _layout(tmp_path)
     kept = []
     _dir_travel(
         tmp_path,
@@ -227,7 +281,46 @@ def test_upload_excludes_keep_code_and_drop_outputs(tmp_path):
         lambda p: kept.append(p.relative_to(tmp_path).as_posix()) if p.is_file() else None,
         include_gitignore=False,
     )
-    assert sorted(kept) == ["experiments/demo.yaml", "raytrain_lm/data/stream.py"]
+    assert sorted(kept) == sorted(rel for rel, keep in WORKING_DIR.items() if keep)
+
+
+def test_upload_of_this_checkout_keeps_the_package_data_code():
+    """What `submit` sends from this very directory, .gitignore included as Ray reads it."""
+    from ray._private.runtime_env.packaging import _dir_travel, _get_excludes
+
+    kept = []
+    _dir_travel(
+        ROOT,
+        [_get_excludes(ROOT, UPLOAD_EXCLUDES)],
+        lambda p: kept.append(p.relative_to(ROOT).as_posix()) if p.is_file() else None,
+        include_gitignore=True,
+    )
+    package_data = sorted(
+        p.relative_to(ROOT).as_posix() for p in (ROOT / "raytrain_lm" / "data").glob("*.py")
+    )
+    assert package_data and set(package_data) <= set(kept)
+    assert not [
+        k
+        for k in kept
+        if re.search(r"(^|/)(runs|data)/", k) and not k.startswith("raytrain_lm/data/")
+    ]
+
+
+@pytest.mark.skipif(shutil.which("rsync") is None, reason="needs rsync, as `ray up` does")
+@pytest.mark.parametrize("name", CLOUD)
+def test_ray_up_rsync_keeps_the_package_data_code(name, tmp_path):
+    """`ray up` copies the checkout to the head with rsync, the config's rsync_exclude first and
+    .gitignore after; rsync takes the first rule that matches."""
+    from ray.autoscaler._private.command_runner import SSHCommandRunner
+
+    source, target = tmp_path / "checkout", tmp_path / "head"
+    _layout(source)
+    shutil.copy(ROOT / ".gitignore", source / ".gitignore")
+    config = _load(name)
+    options = {"rsync_exclude": config["rsync_exclude"], "rsync_filter": config["rsync_filter"]}
+    rules = SSHCommandRunner._create_rsync_filter_args(None, options)
+    subprocess.run(["rsync", "-a", *rules, f"{source}/", f"{target}/"], check=True)
+    assert _kept(target) == sorted(rel for rel, keep in WORKING_DIR.items() if keep)
 
 
 def test_submit_moves_relative_outputs_to_storage_and_refuses_outside_configs(tmp_path):
@@ -268,3 +361,62 @@ def test_user_label_selector_joins_the_placement():
     placed = worker_resources(s, True, {})
     assert placed["label_selector"] == {ACCELERATOR_LABEL: "in(A100,H100)", "zone": "us-east-1a"}
     assert validate_label_selector(placed["label_selector"]) is None
+
+
+def _scaling_cpu_run():
+    return _scaling("scaling.use_gpu=false")
+
+
+def test_cpu_runs_ask_for_cpu_nodes_where_the_cluster_has_them(monkeypatch):
+    monkeypatch.delenv(CPU_NODES_ENV, raising=False)
+    plain = worker_resources(_scaling_cpu_run(), False, {"CPU": 8.0})["resources_per_worker"]
+    assert plain == {"CPU": 1.0}  # a Ray without CPU nodes: no marker, or nothing would fit
+    up = worker_resources(_scaling_cpu_run(), False, {"CPU": 3.0, CPU_NODE: 1.0})
+    assert up["resources_per_worker"][CPU_NODE] == MARKER_AMOUNT
+
+    monkeypatch.setenv(CPU_NODES_ENV, "1")  # the head of one of our clusters, scaled to zero
+    cold = worker_resources(_scaling_cpu_run(), False, {"CPU": 1.0})["resources_per_worker"]
+    assert cold == {"CPU": 1.0, CPU_NODE: MARKER_AMOUNT}
+    gpu = worker_resources(_scaling("scaling.use_gpu=true"), True, {})["resources_per_worker"]
+    assert CPU_NODE not in gpu and gpu["GPU"] == 1.0
+    # CPU workers that name a GPU type (fake GPU nodes) go to that type, not to CPU nodes.
+    typed = _scaling("scaling.accelerator_type=A100", "scaling.use_gpu=false")
+    assert CPU_NODE not in worker_resources(typed, False, {})["resources_per_worker"]
+
+
+def _requested_bundles() -> list[dict]:
+    """What the autoscaler is asked to keep room for (autoscaler v1 reads it from the GCS)."""
+    from ray.autoscaler._private.constants import AUTOSCALER_RESOURCE_REQUEST_CHANNEL
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    raw = _internal_kv_get(AUTOSCALER_RESOURCE_REQUEST_CHANNEL)
+    return json.loads(raw) if raw else []
+
+
+def test_release_withdraws_only_the_runs_own_resource_request(ray_session):
+    """What a Train controller that dies with its driver leaves behind: its registration with
+    Ray Data's AutoscalingCoordinator, which keeps asking the autoscaler for the run's nodes."""
+    from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
+        ResourceRequestPriority,
+        get_or_create_autoscaling_coordinator,
+    )
+
+    coordinator = get_or_create_autoscaling_coordinator()
+    mine, other = {"CPU": 1.0, "released_run": 1.0}, {"CPU": 1.0, "other_run": 1.0}
+    for requester, bundle in (("train-released", mine), ("train-other", other)):
+        ray_session.get(
+            coordinator.request_resources.remote(
+                requester_id=requester,
+                resources=[bundle, bundle],
+                expire_after_s=180,
+                priority=ResourceRequestPriority.HIGH,  # what Ray Train sends
+            )
+        )
+    try:
+        assert _requested_bundles().count(mine) == 2
+        release_resource_requests("released")
+        assert mine not in _requested_bundles()
+        assert _requested_bundles().count(other) == 2
+        release_resource_requests("never-ran")  # nothing to withdraw: no error
+    finally:
+        ray_session.get(coordinator.cancel_request.remote("train-other"))

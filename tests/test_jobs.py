@@ -1,7 +1,8 @@
 """The whole cluster flow on one machine: `raytrain-lm cluster up` (cluster/local.yaml, fake GPU
 nodes, token auth), `raytrain-lm submit` of a tiny run that asks for A100 nodes, the autoscaler
-launching one, the workers landing on it, SUCCEEDED with the summary in the logs, the node
-leaving when idle; clients without the token are refused.
+launching one, the workers landing on it, SUCCEEDED with the summary in the logs and every
+line there once, the node leaving when idle; the demo config, which uses no GPU, getting a CPU
+node and no GPU one; clients without the token are refused.
 
 Fake GPUs cannot run CUDA: the run asks for the A100 type with `scaling.use_gpu=false`, so its
 CPU workers carry the `accelerator_type:A100` marker and only fit on the fake A100 nodes.
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -26,6 +28,8 @@ pytestmark = [pytest.mark.cluster, pytest.mark.own_ray]
 ROOT = Path(__file__).resolve().parents[1]
 RUN = [
     *TINY,
+    "training.progress=true",
+    "training.log_every=10",
     "training.max_steps=20",
     "training.eval_every=10",
     "checkpoint.every_steps=10",
@@ -73,6 +77,16 @@ def _state(dashboard: str, code: str) -> object:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+PLACED_WORKERS = """
+from ray.util.state import list_jobs
+(job,) = [j.job_id for j in list_jobs(address=dashboard) if j.submission_id == {submission!r}]
+nodes = {{n.node_id: n for n in list_nodes(address=dashboard, detail=True, limit=100)}}
+workers = list_actors(
+    address=dashboard, filters=[("class_name", "=", "RayTrainWorker"), ("job_id", "=", job)]
+)
+result = [sorted(nodes[w.node_id].resources_total) for w in workers]
+"""
+
 ALIVE_WORKER_TYPES = """
 nodes = list_nodes(address=dashboard, detail=True, limit=100)
 result = sorted(
@@ -82,10 +96,38 @@ result = sorted(
 
 
 @pytest.fixture(scope="module")
-def local_cluster():
+def storage(tmp_path_factory) -> Path:
+    """One storage dir for the module's jobs: the corpus is prepared once."""
+    return tmp_path_factory.mktemp("storage")
+
+
+def _submit(url: str, storage: Path, job: str, *args: str, timeout: float) -> str:
+    """Submits and follows a job to its end; returns its logs."""
+    done = _cli(
+        "submit",
+        *args,
+        "--address",
+        url,
+        "--storage",
+        str(storage),
+        "--job-id",
+        job,
+        "--follow",
+        timeout=timeout,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert f"submitted job {job}" in done.stdout
+    assert f"raytrain-lm logs {job} --follow" in done.stdout
+    assert _cli("status", job, "--address", url).stdout.startswith(f"{job}: SUCCEEDED")
+    return _cli("logs", job, "--address", url).stdout
+
+
+@pytest.fixture(scope="module")
+def local_cluster(request):
     # Short, private temp dir: Ray's socket paths must fit in 107 bytes, and `down` ends the
     # processes under this dir only, never other Rays on the machine.
     directory = tempfile.mkdtemp(prefix="rtlm-", dir="/tmp")
+    failures_before = request.session.testsfailed
     up = _cli("cluster", "up", "--dir", directory, timeout=180)
     try:
         assert up.returncode == 0, up.stderr[-2000:]
@@ -96,6 +138,8 @@ def local_cluster():
         assert down.returncode == 0, down.stderr[-2000:]
         leftover = subprocess.run(["ps", "-eo", "args="], capture_output=True, text=True).stdout
         assert directory not in leftover
+        if request.session.testsfailed == failures_before:  # else keep the logs to look at
+            shutil.rmtree(directory, ignore_errors=True)
 
 
 def test_clients_without_the_token_are_refused(local_cluster):
@@ -116,64 +160,55 @@ def test_clients_without_the_token_are_refused(local_cluster):
     assert right.returncode == 2 and "authentication" not in right.stderr
 
 
-def test_run_asking_for_a100_scales_up_lands_there_and_scales_down(local_cluster, tmp_path):
+def test_run_asking_for_a100_scales_up_lands_there_and_scales_down(local_cluster, storage):
     url = local_cluster["dashboard"]
     assert _state(url, ALIVE_WORKER_TYPES) == []  # only the head: no fake GPU node yet
     job = "a100-run"
     sets = [arg for item in [*RUN, "name=a100-run"] for arg in ("--set", item)]
-    submitted = _cli(
-        "submit",
-        *sets,
-        "--address",
-        url,
-        "--storage",
-        str(tmp_path),
-        "--job-id",
-        job,
-        "--follow",
-        timeout=420,
-    )
-    assert submitted.returncode == 0, submitted.stdout[-3000:] + submitted.stderr[-3000:]
-    assert f"submitted job {job}" in submitted.stdout
-    assert f"raytrain-lm logs {job} --follow" in submitted.stdout
-    assert _cli("status", job, "--address", url).stdout.startswith(f"{job}: SUCCEEDED")
-    logs = _cli("logs", job, "--address", url).stdout
+    logs = _submit(url, storage, job, *sets, timeout=420)
     summary = json.loads(
         next(line for line in logs.splitlines() if line.startswith("summary: "))[9:]
     )
     assert summary["run"] == "a100-run" and summary["steps"] == 20
-    assert Path(summary["checkpoint"]).is_relative_to(tmp_path)  # relative output moved to storage
+    assert Path(summary["checkpoint"]).is_relative_to(storage)  # relative output moved to storage
+    # Every line once: every fake node's log monitor used to publish every node's lines.
+    assert sum(" 20/20 | loss " in line for line in logs.splitlines()) == 1, logs[-3000:]
+    added = [line for line in logs.splitlines() if "Adding 1 node(s) of type a100_spot" in line]
+    assert len(added) == 1, added
 
-    placed = _state(
-        url,
-        """
-nodes = {n.node_id: n for n in list_nodes(address=dashboard, detail=True, limit=100)}
-workers = list_actors(address=dashboard, filters=[("class_name", "=", "RayTrainWorker")], limit=100)
-result = [sorted(nodes[w.node_id].resources_total) for w in workers]
-""",
-    )
+    placed = _state(url, PLACED_WORKERS.format(submission=job))
     assert len(placed) == 2
     for resources in placed:
         assert "accelerator_type:A100" in resources and "spot" in resources
 
     # Same name again: the job resumes the finished run instead of training anew.
-    again = _cli(
-        "submit",
-        *sets,
-        "--address",
-        url,
-        "--storage",
-        str(tmp_path),
-        "--job-id",
-        f"{job}-2",
-        "--follow",
-        timeout=300,
-    )
-    assert again.returncode == 0, again.stdout[-3000:]
-    assert "already trained to step 20" in _cli("logs", f"{job}-2", "--address", url).stdout
+    again = _submit(url, storage, f"{job}-2", *sets, timeout=300)
+    assert "already trained to step 20" in again
 
     # idle_timeout_minutes is 0.25 in cluster/local.yaml; allow for the autoscaler's lag
     deadline = time.time() + 120
     while _state(url, ALIVE_WORKER_TYPES) and time.time() < deadline:
         time.sleep(3)
     assert _state(url, ALIVE_WORKER_TYPES) == [], "the A100 node did not scale down when idle"
+
+
+def test_demo_config_gets_a_cpu_node_and_no_gpu_node(local_cluster, storage):
+    """experiments/demo.yaml names no GPU type and finds no GPU: its workers ask for `cpu_node`
+    (the head said the cluster has such nodes), so the autoscaler launches a CPU node type,
+    where a worker group also starts cleanly (every fake node has its own copy of the job's
+    files: MKL died in workers whose working dir another node had just unpacked again)."""
+    url = local_cluster["dashboard"]
+    sets = [
+        "experiments/demo.yaml",
+        *[
+            arg
+            for item in [*TINY, "training.max_steps=4", "tracking.enabled=false", "name=demo-cpu"]
+            for arg in ("--set", item)
+        ],
+    ]
+    logs = _submit(url, storage, "demo-cpu", *sets, timeout=420)
+    added = [line for line in logs.splitlines() if "Adding 1 node(s) of type" in line]
+    assert added and all("of type cpu_" in line for line in added), added
+    assert "oneMKL" not in logs
+    placed = _state(url, PLACED_WORKERS.format(submission="demo-cpu"))
+    assert len(placed) >= 2 and all("cpu_node" in resources for resources in placed), placed

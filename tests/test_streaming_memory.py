@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from stream_memory_check import OBJECT_STORE, write_corpus
+from support.stream_memory_check import OBJECT_STORE, write_corpus
 
 from raytrain_lm.config import DataConfig
 from raytrain_lm.data.prepare import prepare
@@ -28,7 +28,7 @@ def test_streaming_a_corpus_larger_than_the_object_store(tmp_path):
     )
     # A separate process: its own Ray with an 80 MiB object store.
     out = subprocess.run(
-        [sys.executable, str(HERE / "stream_memory_check.py"), prepared.directory],
+        [sys.executable, str(HERE / "support" / "stream_memory_check.py"), prepared.directory],
         capture_output=True,
         text=True,
         timeout=600,

@@ -1,4 +1,5 @@
-"""`raytrain-lm submit|status|logs|stop`: training runs as Ray jobs on a (remote) cluster.
+"""`raytrain-lm submit|status|logs|stop`: training runs as Ray jobs on a (remote) cluster,
+through the Ray Jobs API.
 
 The job runs `python -m raytrain_lm.cli train ...` in the uploaded working directory, so the
 driver and every Train worker import the code the user has locally, not whatever version the
@@ -8,6 +9,7 @@ cluster's setup installed. Clusters run with token auth: the client needs the cl
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import shlex
@@ -15,19 +17,22 @@ import time
 from pathlib import Path
 from typing import Any
 
+from raytrain_lm.clusters.autoscaling import read_state
 from raytrain_lm.errors import UserError
 
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
-# Anchored at the working dir's root ("/data", not "data": raytrain_lm/data is code). Ray
-# refuses uploads over 100 MiB; datasets, runs and environments are the usual culprits.
+# Ray refuses uploads over 100 MiB; datasets, runs and environments are the usual culprits.
+# Run and data folders go wherever they are (a notebook's runs land in notebooks/runs), except
+# the package's own data code. Gitignore patterns: the last one matching a path decides.
 UPLOAD_EXCLUDES = [
     ".git",
     ".venv",
     "venv",
-    "/data",
-    "/runs",
-    "/mlruns",
-    "/mlartifacts",
+    "data/",
+    "runs/",
+    "!/raytrain_lm/data/",
+    "mlruns/",
+    "mlartifacts/",
     "mlflow.db",
     "__pycache__",
     "*.egg-info",
@@ -39,7 +44,6 @@ UPLOAD_EXCLUDES = [
 ]
 DEFAULT_STORAGE = "$HOME/raytrain-lm"
 _SAFE_STORAGE = re.compile(r"^[A-Za-z0-9_./$~+-]+$")
-TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
 
 
 def resolve_address(address: str | None) -> str:
@@ -52,8 +56,6 @@ def resolve_address(address: str | None) -> str:
     elif os.environ.get("RAY_ADDRESS", "").startswith("http"):
         chosen = os.environ["RAY_ADDRESS"]
     else:
-        from raytrain_lm.cluster_local import read_state
-
         state = read_state()
         chosen = state["dashboard"] if state and state.get("dashboard") else DEFAULT_ADDRESS
     if not chosen.startswith(("http://", "https://")):
@@ -191,7 +193,6 @@ def logs(job_id: str, address: str | None = None, follow: bool = False) -> str |
     try:
         if not follow:
             return jobs.get_job_logs(job_id)
-        import asyncio
 
         async def _tail() -> None:
             async for chunk in jobs.tail_job_logs(job_id):
@@ -209,15 +210,3 @@ def stop(job_id: str, address: str | None = None) -> bool:
         return jobs.stop_job(job_id)
     except Exception as exc:
         raise UserError(f"job {job_id}: {_first_line(exc)}") from None
-
-
-def wait(job_id: str, address: str | None = None, timeout_s: float = 600.0) -> str:
-    """Blocks until the job reaches a terminal state; returns it."""
-    deadline = time.time() + timeout_s
-    while True:
-        state = status(job_id, address)["status"]
-        if state in TERMINAL:
-            return state
-        if time.time() > deadline:
-            raise UserError(f"job {job_id} still {state} after {timeout_s:g} s")
-        time.sleep(2)

@@ -1,10 +1,13 @@
-"""`raytrain-lm cluster up|down`: cluster/local.yaml on one machine, with Ray's fake_multinode
-provider, token auth on and the dashboard on localhost.
+"""`raytrain-lm cluster up|down`: cluster/local.yaml on one machine, a local autoscaling Ray
+whose worker nodes are fake (raylets advertising the resources of cloud node types, fake GPUs
+included), with token auth on and the dashboard on localhost.
 
-`ray up` cannot start a fake_multinode cluster from the wheel (the provider's example files are
+`ray up` cannot start Ray's fake_multinode provider from the wheel (its example files are
 missing), and `ray stop` stops every Ray on the machine. So `up` runs
 `RAY_FAKE_CLUSTER=1 ray start --head --autoscaling-config=...` with its own temp dir and free
-ports, and `down` ends exactly the processes that belong to that temp dir.
+ports, and `down` ends exactly the processes that belong to that temp dir. The autoscaler
+starts fake nodes through `fake_nodes.FakeNodeProvider`, each with a temp dir under the
+cluster's own.
 """
 
 from __future__ import annotations
@@ -24,14 +27,19 @@ from typing import Any
 import yaml
 
 from raytrain_lm.errors import UserError
+from raytrain_lm.placement import CPU_NODE, CPU_NODES_ENV
 from raytrain_lm.runtime import free_port
 
 DEFAULT_CONFIG = "cluster/local.yaml"
 DEFAULT_DIR = "/tmp/raytrain-lm-cluster"
 STATE_FILE = "cluster.json"
+PROVIDER = "raytrain_lm.clusters.fake_nodes.FakeNodeProvider"
+# The provider config key for the directory holding every fake node's temp dir.
+NODE_DIRS_KEY = "node_dirs"
 # Unix socket paths are limited to 107 bytes; Ray puts sockets at
-# <dir>/session_<date>_<pid>/sockets/raylet.<n> (about 60 bytes more).
-MAX_DIR_CHARS = 40
+# <node temp dir>/session_<date>_<pid>/sockets/plasma_store (about 65 bytes more), and a fake
+# node's temp dir is <dir>/n<number>.
+MAX_DIR_CHARS = 36
 
 
 def _ray_executable() -> str:
@@ -55,16 +63,29 @@ def ensure_token() -> None:
     )
 
 
-def resolved_config(config: str | Path, gcs_address: str) -> dict[str, Any]:
+def resolved_config(config: str | Path, gcs_address: str, directory: Path) -> dict[str, Any]:
     path = Path(config)
     if not path.is_file():
         raise UserError(f"cluster config not found: {config}")
     tree = yaml.safe_load(path.read_text())
-    if not isinstance(tree, dict) or tree.get("provider", {}).get("type") != "fake_multinode":
-        raise UserError(f"{config}: `cluster up` runs fake_multinode configs only (see docs)")
-    # The provider starts fake nodes against port 6379 unless told where the head is.
+    if not isinstance(tree, dict) or tree.get("provider", {}).get("module") != PROVIDER:
+        raise UserError(
+            f"{config}: `cluster up` runs configs whose provider is {PROVIDER} only (see docs)"
+        )
+    # Without it the provider would start fake nodes against port 6379, which another Ray on
+    # this machine may hold.
     tree["provider"]["gcs_address"] = gcs_address
+    tree["provider"][NODE_DIRS_KEY] = str(directory)
     return tree
+
+
+def offers_cpu_nodes(tree: dict[str, Any]) -> bool:
+    """Whether some worker type carries the CPU-node marker, so CPU-only runs can go there."""
+    return any(
+        spec.get("resources", {}).get(CPU_NODE)
+        for name, spec in tree["available_node_types"].items()
+        if name != tree["head_node_type"]
+    )
 
 
 def up(
@@ -90,7 +111,7 @@ def up(
     host = "127.0.0.1"
     port, dash_port = free_port(), free_port()
     address = f"{host}:{port}"
-    tree = resolved_config(config, address)
+    tree = resolved_config(config, address, directory)
     head_cpus = tree["available_node_types"][tree["head_node_type"]]["resources"].get("CPU", 1)
     autoscaling = directory / "autoscaling.yaml"
     autoscaling.write_text(yaml.safe_dump(tree, sort_keys=False))
@@ -105,6 +126,8 @@ def up(
         # This cluster's own API server, never one inherited from another Ray on the machine.
         "RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{dash_port}",
     }
+    if offers_cpu_nodes(tree):
+        env[CPU_NODES_ENV] = "1"  # job drivers run on the head and inherit it
     command = [
         _ray_executable(),
         "start",

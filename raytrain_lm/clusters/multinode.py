@@ -1,9 +1,12 @@
-"""A multi-node Ray on one machine, for chaos tests, the recovery benchmark and the elastic
-notebook: add, kill and drain nodes while a run trains, then read what happened.
+"""A multi-node Ray in this process, whose nodes can be killed, drained and added while a run
+trains, and helpers to run a training in the background and watch its event log meanwhile.
+The chaos tests, the recovery benchmark (benchmarks/recovery.py) and the elastic notebook use it.
 
 Each worker node offers one `trainslot` resource; runs pin one worker per slot
 (`scaling.worker_resources.trainslot=1`), so killing a node takes exactly one worker away.
-The head keeps the CPUs that Ray Data reads with, like a real cluster's CPU head.
+The head keeps the CPUs that Ray Data reads with, like a real cluster's CPU head. All nodes
+share the head's session dir; `ray.cluster_utils.Cluster` starts a log monitor on the head
+only, so each worker line reaches the driver once.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from raytrain_lm.runtime import free_port
 from raytrain_lm.trainer.goodput import read_events
 
 SLOT = "trainslot"
-# A run that trains in seconds on a laptop CPU: a 2-layer model on text that ships with Python.
+# A run that trains in seconds on a laptop CPU: a 2-layer model on text that ships with Python
+# (the recovery benchmark's runs and the test suite's).
 TINY_MODEL = [
     "model.n_layer=2",
     "model.n_head=2",
