@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from raytrain_lm import storage
 from raytrain_lm.errors import UserError
 
 EOT = "<|endoftext|>"
@@ -176,8 +177,6 @@ def tokenizer_from_json(text: str, origin: str = "tokenizer") -> Tokenizer:
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
     """Loads `tokenizer.json` from a file or the folder holding it (local path or URI)."""
-    from raytrain_lm.data import storage
-
     file = str(path)
     if not file.endswith(".json"):
         file = storage.join(file, TOKENIZER_FILE)

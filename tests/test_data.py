@@ -1,5 +1,7 @@
+import logging
 import os
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -10,7 +12,7 @@ from raytrain_lm.data import manifest as manifest_module
 from raytrain_lm.data.manifest import Manifest, read_shard, verify_shards
 from raytrain_lm.data.order import SequenceOrder, validation_starts
 from raytrain_lm.data.prepare import prepare
-from raytrain_lm.data.stream import WorkerSlice
+from raytrain_lm.data.stream import WorkerSlice, stream_train_batches
 from raytrain_lm.errors import UserError
 from raytrain_lm.tokenization import load_tokenizer
 
@@ -76,6 +78,9 @@ def test_corrupted_shard_is_named(tmp_path):
     path = Path(prepared.directory) / shard.file
     path.write_bytes(path.read_bytes()[:-8] + b"garbage!")
     with pytest.raises(UserError, match=f"shard {shard.file} is corrupted"):
+        read_shard(prepared.directory, shard)
+    path.unlink()
+    with pytest.raises(UserError, match=f"shard {shard.file} listed in the manifest is missing"):
         read_shard(prepared.directory, shard)
 
 
@@ -152,8 +157,16 @@ def test_order_is_a_permutation_per_epoch_that_differs_between_epochs():
 
 
 def test_too_short_training_split_is_refused():
-    with pytest.raises(UserError, match="too small"):
+    with pytest.raises(UserError, match="training split too small: 10 tokens"):
         SequenceOrder([10], seq_len=16, seed=0)
+
+
+def test_an_order_may_begin_with_empty_epochs():
+    # One shard of 20 tokens, sequences of 17: only epoch offsets 0-3 leave room for one.
+    seed = next(s for s in range(100) if SequenceOrder([20], seq_len=16, seed=s).epoch_size(0) == 0)
+    order = SequenceOrder([20], seq_len=16, seed=seed)
+    located = [order.locate(p) for p in range(3)]
+    assert all(shard == 0 and first + 17 <= 20 for shard, first in located)
 
 
 @pytest.mark.parametrize("world", [1, 2, 4, 8])
@@ -166,6 +179,57 @@ def test_validation_set_is_fixed():
     starts = validation_starts([100, 50], seq_len=16, limit=None)
     assert starts[:2] == [(0, 0), (0, 16)] and len(starts) == 6 + 3
     assert validation_starts([100, 50], seq_len=16, limit=4) == starts[:4]
+    with pytest.raises(UserError, match="validation split too small"):
+        validation_starts([16, 16], seq_len=16, limit=None)
+
+
+def test_a_worker_streams_its_share_in_order_without_deprecation_warnings(tmp_path):
+    import ray.data
+
+    (tmp_path / "corpus.txt").write_text(TEXT)
+    prepared = prepare(_cfg(tmp_path), progress=False)
+    directory, manifest = prepared.directory, prepared.manifest
+    order = SequenceOrder([s.tokens for s in manifest.splits["train"].shards], seq_len=16, seed=5)
+    part = WorkerSlice(rank=1, world_size=2, global_batch=8)
+    logged: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = logged.append
+    logging.getLogger("ray.data").addHandler(handler)
+    try:
+        with warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
+            batches = list(
+                stream_train_batches(directory, manifest, order, part, 2, first_step=3, end_step=21)
+            )
+    finally:
+        logging.getLogger("ray.data").removeHandler(handler)
+    messages = [r.getMessage() for r in logged] + [str(w.message) for w in warned]
+    assert not [m for m in messages if "deprecated" in m.lower()]
+    positions = np.concatenate([p for p, _ in batches])
+    assert positions.tolist() == part.positions(3, 18).tolist()  # every one, in order
+    shards = [read_shard(directory, s) for s in manifest.splits["train"].shards]
+    for position, tokens in zip(positions, np.concatenate([t for _, t in batches]), strict=True):
+        shard, first = order.locate(int(position))
+        assert tokens.tolist() == shards[shard][first : first + 17].tolist()
+    # The pipeline's settings stay on its own dataset: the process's context is untouched.
+    assert not ray.data.DataContext.get_current().execution_options.preserve_order
+
+
+def test_a_shard_corrupted_under_a_worker_stream_is_refused_as_itself(tmp_path):
+    (tmp_path / "corpus.txt").write_text(TEXT)
+    prepared = prepare(_cfg(tmp_path), progress=False)
+    shards = prepared.manifest.splits["train"].shards
+    path = Path(prepared.directory) / shards[0].file
+    path.write_bytes(path.read_bytes()[:-8] + b"garbage!")
+    order = SequenceOrder([s.tokens for s in shards], seq_len=16, seed=5, window=len(shards))
+    part = WorkerSlice(rank=0, world_size=1, global_batch=8)
+    with pytest.raises(UserError) as raised:
+        list(stream_train_batches(prepared.directory, prepared.manifest, order, part, 8, 0, 4))
+    assert type(raised.value) is UserError  # not Ray Data's wrapper of it
+    assert (
+        str(raised.value)
+        == f"shard {shards[0].file} is corrupted: checksum mismatch with the manifest"
+    )
 
 
 DOCS = [

@@ -19,7 +19,7 @@ import numpy as np
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from raytrain_lm.data import storage
+from raytrain_lm import storage
 from raytrain_lm.errors import UserError
 
 MANIFEST_FILE = "manifest.json"
@@ -164,11 +164,18 @@ def read_tokens(path: str | Path) -> np.ndarray:
     return column.flatten().to_numpy(zero_copy_only=False)
 
 
+def _missing(directory: str | Path, shard: ShardInfo) -> UserError:
+    return UserError(f"shard {shard.file} listed in the manifest is missing from {directory}")
+
+
 def read_shard(directory: str | Path, shard: ShardInfo, verify: bool = True) -> np.ndarray:
     """All tokens of one shard as a flat array, after checking its checksum (unless the
     verification stamp vouches for the file as it is now)."""
     path = storage.join(directory, shard.file)
-    if verify and not _vouched(directory, shard, _stat(path)):
+    stat = _stat(path)
+    if stat is None:
+        raise _missing(directory, shard)
+    if verify and not _vouched(directory, shard, stat):
         _check_checksum(path, shard)
     tokens = read_tokens(path)
     if len(tokens) != shard.tokens:
@@ -189,9 +196,7 @@ def verify_shards(directory: str | Path, manifest: Manifest) -> int:
             checked = time.time_ns()
             stat = _stat(path)  # before hashing: a change while hashing shows up next time
             if stat is None:
-                raise UserError(
-                    f"shard {shard.file} listed in the manifest is missing from {directory}"
-                )
+                raise _missing(directory, shard)
             if not _vouched(directory, shard, stat):
                 _check_checksum(path, shard)
                 hashed += 1

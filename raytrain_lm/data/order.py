@@ -9,12 +9,34 @@ depends on the number of workers, so it is the whole data state a checkpoint nee
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 
 import numpy as np
 
 from raytrain_lm.errors import UserError
+
+_SPLIT_NAMES = {"train": "training", "val": "validation"}
+
+
+def check_split_holds_a_sequence(split: str, shard_tokens: Sequence[int], seq_len: int) -> None:
+    """The one rule for how small a split ("train" or "val") may be: a sequence never crosses
+    a shard, so some shard must hold a whole one (`seq_len + 1` tokens)."""
+    needed = seq_len + 1
+    if max(shard_tokens, default=0) >= needed:
+        return
+    total = sum(shard_tokens)
+    if total >= needed:
+        advice = "use a larger data.shard_tokens or a smaller model.block_size"
+    elif split == "val":
+        advice = "use more data, a larger data.val_fraction or a smaller model.block_size"
+    else:
+        advice = "use more data or a smaller model.block_size"
+    raise UserError(
+        f"{_SPLIT_NAMES[split]} split too small: {total} tokens, but no shard holds a whole "
+        f"sequence of {needed} (model.block_size + 1); {advice}"
+    )
 
 
 @dataclass(frozen=True)
@@ -34,12 +56,8 @@ class SequenceOrder:
     _epoch_starts: list[int] = field(default_factory=lambda: [0], repr=False)
 
     def __post_init__(self) -> None:
+        check_split_holds_a_sequence("train", self.shard_tokens, self.seq_len)
         self._make_caches()
-        if self.epoch_size(0) == 0:
-            raise UserError(
-                f"training split too small: no shard holds {self.seq_len + 1} tokens "
-                f"(model.block_size + 1)"
-            )
 
     def _make_caches(self) -> None:
         self._layout = lru_cache(maxsize=4)(self._build_layout)
@@ -123,6 +141,7 @@ def validation_starts(
     shard_tokens: list[int], seq_len: int, limit: int | None
 ) -> list[tuple[int, int]]:
     """The fixed validation set: (shard, first token) of consecutive sequences, unshuffled."""
+    check_split_holds_a_sequence("val", shard_tokens, seq_len)
     starts = []
     for shard, tokens in enumerate(shard_tokens):
         for i in range((tokens - 1) // seq_len):

@@ -18,15 +18,18 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from raytrain_lm import storage
 from raytrain_lm.config import DataConfig
-from raytrain_lm.data import storage
+from raytrain_lm.data.checks import check_inputs, given_tokenizer
 from raytrain_lm.data.manifest import (
     MANIFEST_FILE,
     TOKENS_COLUMN,
@@ -35,15 +38,16 @@ from raytrain_lm.data.manifest import (
     SplitInfo,
     read_tokens,
 )
-from raytrain_lm.data.sources import InputFile, expand_source, read_documents
+from raytrain_lm.data.pipeline import ERROR_COLUMN, ordered_dataset
+from raytrain_lm.data.sources import InputFile, expand_sources, read_documents
 from raytrain_lm.errors import UserError
+from raytrain_lm.runtime import ensure_local_ray
 from raytrain_lm.tokenization import (
     TOKENIZER_FILE,
     BPETokenizer,
     ByteTokenizer,
     CharTokenizer,
     Tokenizer,
-    load_tokenizer,
     token_dtype,
     tokenizer_from_json,
 )
@@ -63,44 +67,51 @@ class PreparedData:
 # ----------------------------------------------------------------------------- Ray Data UDFs
 
 
-def _read_group(batch: pa.Table, text_field: str):
+def _read_group(batch: pa.Table, text_field: str) -> pa.Table:
     """map_batches: a group of inputs -> their documents in order (text, byte size,
-    replaced-byte count).
+    replaced-byte count, and a null ERROR_COLUMN).
 
-    A generator, like every UDF here: Ray Data then re-raises a task's UserError (an input
-    that cannot be read, a JSON line without the text field) as a UserError on the driver,
-    where a plain function's would arrive wrapped in UserCodeException.
+    A UserError (an input that cannot be read, a JSON line without the text field) ends the
+    group with one more row that carries its message (see `pipeline`); the driver raises it
+    if it gets that far, which `data.max_source_bytes` may stop it from doing.
     """
-    texts, sizes, replaced = [], [], []
-    for uri, size, mtime_ns in zip(
-        batch.column("uri").to_pylist(),
-        batch.column("size").to_pylist(),
-        batch.column("mtime_ns").to_pylist(),
-        strict=True,
-    ):
-        for doc in read_documents(InputFile(uri, size, mtime_ns), text_field):
-            if not doc.text.strip():
-                continue  # blank documents would only add end-of-text tokens
-            texts.append(doc.text)
-            sizes.append(len(doc.text.encode("utf-8")))
-            replaced.append(doc.replaced_bytes)
-    yield pa.table(
+    texts, sizes, replaced, errors = [], [], [], []
+    try:
+        for uri, size, mtime_ns in zip(
+            batch.column("uri").to_pylist(),
+            batch.column("size").to_pylist(),
+            batch.column("mtime_ns").to_pylist(),
+            strict=True,
+        ):
+            for doc in read_documents(InputFile(uri, size, mtime_ns), text_field):
+                if not doc.text.strip():
+                    continue  # blank documents would only add end-of-text tokens
+                texts.append(doc.text)
+                sizes.append(len(doc.text.encode("utf-8")))
+                replaced.append(doc.replaced_bytes)
+                errors.append(None)
+    except UserError as exc:
+        texts.append("")
+        sizes.append(0)
+        replaced.append(0)
+        errors.append(str(exc))
+    return pa.table(
         {
             "text": pa.array(texts, type=pa.large_string()),
             "bytes": pa.array(sizes, type=pa.int64()),
             "replaced": pa.array(replaced, type=pa.int64()),
+            ERROR_COLUMN: pa.array(errors, type=pa.string()),
         }
     )
 
 
-def _read_and_tokenize(batch: pa.Table, text_field: str, tokenizer_json: str):
+def _read_and_tokenize(batch: pa.Table, text_field: str, tokenizer_json: str) -> pa.Table:
     """map_batches: a group of inputs -> one row per document with its token ids.
 
     Reading and tokenizing in the same task keeps the text inside the worker: only the
     (2-4x smaller) token ids cross the object store, and there is one operator to schedule.
     """
-    for documents in _read_group(batch, text_field):
-        yield _tokenize(documents, tokenizer_json)
+    return _tokenize(_read_group(batch, text_field), tokenizer_json)
 
 
 @functools.lru_cache(maxsize=2)
@@ -110,10 +121,11 @@ def _tokenizer_for(tokenizer_json: str) -> Tokenizer:
 
 
 def _tokenize(batch: pa.Table, tokenizer_json: str) -> pa.Table:
-    """Documents -> token ids, each document followed by end-of-text."""
+    """Documents -> token ids, each document followed by end-of-text (an error row: none)."""
     tokenizer = _tokenizer_for(tokenizer_json)
     dtype = token_dtype(tokenizer.vocab_size)
     texts = batch.column("text").to_pylist()
+    is_document = batch.column(ERROR_COLUMN).is_null().to_numpy(zero_copy_only=False)
     unknown = np.zeros(len(texts), dtype=np.int64)
     if isinstance(tokenizer, ByteTokenizer):
         encoded = [tokenizer.encode_array(t) for t in texts]
@@ -126,8 +138,12 @@ def _tokenize(batch: pa.Table, tokenizer_json: str) -> pa.Table:
     else:
         encoded = [np.asarray(ids) for ids in tokenizer.encode_batch(texts)]
     eot = np.array([tokenizer.eot_id], dtype=dtype)
-    parts = [p for ids in encoded for p in (ids.astype(dtype, copy=False), eot)]
-    lengths = np.array([len(ids) + 1 for ids in encoded], dtype=np.int64)
+    documents = [ids for ids, keep in zip(encoded, is_document, strict=True) if keep]
+    parts = [p for ids in documents for p in (ids.astype(dtype, copy=False), eot)]
+    lengths = np.array(
+        [len(ids) + 1 if keep else 0 for ids, keep in zip(encoded, is_document, strict=True)],
+        dtype=np.int64,
+    )
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     values = np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
     tokens = pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(values))
@@ -137,6 +153,7 @@ def _tokenize(batch: pa.Table, tokenizer_json: str) -> pa.Table:
             "bytes": batch.column("bytes"),
             "replaced": batch.column("replaced"),
             "unknown": pa.array(unknown),
+            ERROR_COLUMN: batch.column(ERROR_COLUMN),
         }
     )
 
@@ -144,13 +161,13 @@ def _tokenize(batch: pa.Table, tokenizer_json: str) -> pa.Table:
 # ----------------------------------------------------------------------------- driver side
 
 
-def _fingerprint(cfg: DataConfig, inputs: list[InputFile]) -> str:
+def _fingerprint(cfg: DataConfig, inputs: list[InputFile], given: Tokenizer | None) -> str:
     tok = cfg.tokenizer
     tok_identity: dict = {"kind": tok.kind}
     if tok.kind == "bpe":
         tok_identity |= {"path": tok.path, "vocab_size": tok.vocab_size}
-        if tok.path:
-            tok_identity["sha256"] = hashlib.sha256(storage.read_bytes(tok.path)).hexdigest()
+        if given is not None:
+            tok_identity["fingerprint"] = given.fingerprint
     key = {
         "format": 2,
         "inputs": [i.identity() for i in inputs],
@@ -166,44 +183,59 @@ def _fingerprint(cfg: DataConfig, inputs: list[InputFile]) -> str:
 
 def _documents(inputs: list[InputFile], udf, **fn_kwargs):
     """`udf` mapped over groups of inputs, in input order, as a Ray Data dataset."""
-    import ray.data
+    import ray
 
-    context = ray.data.DataContext.get_current()
-    context.execution_options.preserve_order = True  # the token stream follows input order
-    context.enable_progress_bars = False
     items = [{"uri": i.uri, "size": i.size, "mtime_ns": i.mtime_ns} for i in inputs]
     # One read task per ~READ_TASK_BYTES of input, at least a few per CPU: a task per small
     # file (the standard library has hundreds) costs more in scheduling than in reading.
     total = sum(i.size for i in inputs)
     cpus = int(ray.cluster_resources().get("CPU", 1))
     blocks = min(len(items), max(4 * cpus, total // READ_TASK_BYTES + 1))
-    return ray.data.from_items(items, override_num_blocks=max(1, blocks)).map_batches(
+    return ordered_dataset(items, max(1, blocks)).map_batches(
         udf, fn_kwargs=fn_kwargs, batch_size=None, batch_format="pyarrow"
     )
 
 
+def _within_cap(batches: Iterable[pa.Table], limit: int | None) -> Iterator[pa.Table]:
+    """The document rows of `batches`, in order, while their bytes fit under `limit` (the
+    first document always: the cap never makes an empty corpus). An error row reached on the
+    way raises the UserError it carries."""
+    total = 0
+    for batch in batches:
+        errors = batch.column(ERROR_COLUMN)
+        failed = pc.index(errors.is_valid(), True).as_py()  # -1: no error row
+        rows = batch.slice(0, failed) if failed >= 0 else batch
+        sizes = rows.column("bytes").to_numpy()
+        take = len(sizes)
+        if limit is not None:
+            fits = int((np.cumsum(sizes) + total <= limit).sum())
+            take = fits if fits or total else min(1, take)
+        if take:
+            yield rows.slice(0, take)
+            total += int(sizes[:take].sum())
+        if take < len(sizes) or (limit is not None and total >= limit):
+            return  # documents are never blank, so nothing more fits
+        if failed >= 0:
+            raise UserError(errors[failed].as_py())
+
+
 def _capped_texts(inputs: list[InputFile], cfg: DataConfig, limit: int | None):
     """Document texts in order while their bytes fit under `limit` (for alphabet/BPE sample)."""
-    total = 0
     documents = _documents(inputs, _read_group, text_field=cfg.text_field)
-    for batch in documents.iter_batches(batch_format="pyarrow", batch_size=None):
-        for text, size in zip(
-            batch.column("text").to_pylist(), batch.column("bytes").to_pylist(), strict=True
-        ):
-            if limit is not None and total + size > limit and total > 0:
-                return
-            total += size
-            yield text
+    for rows in _within_cap(documents.iter_batches(batch_format="pyarrow", batch_size=None), limit):
+        yield from rows.column("text").to_pylist()
 
 
-def _build_tokenizer(cfg: DataConfig, inputs: list[InputFile]) -> Tokenizer:
+def _build_tokenizer(
+    cfg: DataConfig, inputs: list[InputFile], given: Tokenizer | None
+) -> Tokenizer:
     tok = cfg.tokenizer
     if tok.kind == "byte":
         return ByteTokenizer()
     if tok.kind == "char":
         return CharTokenizer.from_texts(_capped_texts(inputs, cfg, cfg.max_source_bytes))
-    if tok.path:
-        return load_tokenizer(tok.path)
+    if given is not None:
+        return given
     limit = min(BPE_SAMPLE_BYTES, cfg.max_source_bytes or BPE_SAMPLE_BYTES)
     return train_bpe(cfg, inputs, limit)
 
@@ -212,7 +244,7 @@ def train_bpe(
     cfg: DataConfig, inputs: list[InputFile] | None = None, sample_bytes: int = BPE_SAMPLE_BYTES
 ) -> BPETokenizer:
     """Byte-level BPE trained on the first `sample_bytes` of the configured inputs."""
-    inputs = inputs if inputs is not None else _expand(cfg)
+    inputs = inputs if inputs is not None else expand_sources(cfg.sources)
     sample = list(_capped_texts(inputs, cfg, sample_bytes))
     if not any(t.strip() for t in sample):
         raise UserError(f"empty corpus: no text in {', '.join(cfg.sources)}")
@@ -296,23 +328,18 @@ def _split(
     return splits
 
 
-def _expand(cfg: DataConfig) -> list[InputFile]:
-    return [item for source in cfg.sources for item in expand_source(source)]
-
-
 def prepare(cfg: DataConfig, progress: bool = True) -> PreparedData:
-    """Prepares (or finds already prepared) token shards for `cfg`; returns where they are."""
+    """Prepares (or finds already prepared) token shards for `cfg`; returns where they are.
+    Whatever is wrong with the inputs raises a UserError of one line naming the input."""
+    inputs = check_inputs(cfg)
     if cfg.prepared:
         return PreparedData(cfg.prepared, Manifest.load(cfg.prepared), created=False)
-    inputs = _expand(cfg)
-    fingerprint = _fingerprint(cfg, inputs)
+    given = given_tokenizer(cfg)
+    fingerprint = _fingerprint(cfg, inputs, given)
     target = storage.join(cfg.cache_dir, fingerprint)
     if storage.exists(storage.join(target, MANIFEST_FILE)):
         return PreparedData(target, Manifest.load(target), created=False)
 
-    from raytrain_lm.runtime import ensure_local_ray
-
-    ensure_local_ray()
     remote = storage.is_uri(cfg.cache_dir)
     created_root = not remote and not Path(cfg.cache_dir).exists()
     try:
@@ -324,7 +351,8 @@ def prepare(cfg: DataConfig, progress: bool = True) -> PreparedData:
     except OSError as exc:
         raise UserError(f"cannot write to data.cache_dir {cfg.cache_dir}: {exc.strerror}") from None
     try:
-        manifest = _run(cfg, inputs, fingerprint, staging, progress)
+        ensure_local_ray()
+        manifest = _run(cfg, inputs, given, fingerprint, staging, progress)
         _publish(staging, target, manifest, remote)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -337,11 +365,16 @@ def prepare(cfg: DataConfig, progress: bool = True) -> PreparedData:
 
 
 def _run(
-    cfg: DataConfig, inputs: list[InputFile], fingerprint: str, staging: Path, progress: bool
+    cfg: DataConfig,
+    inputs: list[InputFile],
+    given: Tokenizer | None,
+    fingerprint: str,
+    staging: Path,
+    progress: bool,
 ) -> Manifest:
     from tqdm import tqdm
 
-    tokenizer = _build_tokenizer(cfg, inputs)
+    tokenizer = _build_tokenizer(cfg, inputs, given)
     dtype = token_dtype(tokenizer.vocab_size)
     writer = _ShardWriter(staging, cfg.shard_tokens, dtype)
     documents = _documents(
@@ -356,33 +389,16 @@ def _run(
         smoothing=0.1,
         file=sys.stdout,
     )
-    total_bytes = docs = replaced = 0
-    capped = False
-    for batch in documents.iter_batches(
-        batch_format="pyarrow", batch_size=None, prefetch_batches=4
-    ):
-        sizes = batch.column("bytes").to_numpy()
-        take = len(sizes)
-        if cfg.max_source_bytes is not None:
-            fits = np.cumsum(sizes) + total_bytes <= cfg.max_source_bytes
-            take = int(fits.sum()) if not fits.all() else take
-            if take < len(sizes):
-                capped = True
-                take = max(take, 1 if total_bytes == 0 else 0)  # never an empty corpus by the cap
-        if take:
-            if pa.compute.sum(batch.column("unknown").slice(0, take)).as_py():
-                raise RuntimeError(
-                    "a document under the byte cap has characters outside the alphabet"
-                )
-            column = batch.column("tokens").slice(0, take).combine_chunks()
-            tokens = column.flatten().to_numpy(zero_copy_only=False)
-            writer.append(tokens)
-            bar.update(len(tokens))
-            total_bytes += int(sizes[:take].sum())
-            docs += take
-            replaced += int(pa.compute.sum(batch.column("replaced").slice(0, take)).as_py() or 0)
-        if capped:
-            break
+    docs = replaced = 0
+    batches = documents.iter_batches(batch_format="pyarrow", batch_size=None, prefetch_batches=4)
+    for rows in _within_cap(batches, cfg.max_source_bytes):
+        if pc.sum(rows.column("unknown")).as_py():
+            raise RuntimeError("a document under the byte cap has characters outside the alphabet")
+        tokens = rows.column("tokens").combine_chunks().flatten().to_numpy(zero_copy_only=False)
+        writer.append(tokens)
+        bar.update(len(tokens))
+        docs += len(rows)
+        replaced += int(pc.sum(rows.column("replaced")).as_py() or 0)
     writer.close()
     bar.close()
     total = sum(n for _, n, _ in writer.shards)

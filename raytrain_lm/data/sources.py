@@ -3,7 +3,8 @@ filesystem, in plain text, JSON Lines or Parquet (optionally gzip or zstd compre
 corpora that ship with every Python (`builtin:python-stdlib`, `builtin:python-docs`).
 
 Undecodable bytes are replaced (U+FFFD) and counted, never fatal: the count is reported by
-`prepare` and recorded in the manifest.
+`prepare` and recorded in the manifest. An input that is clearly not text (see
+`_refuse_non_text`) is refused, naming it.
 """
 
 from __future__ import annotations
@@ -13,17 +14,19 @@ import fnmatch
 import glob
 import json
 import os
+import re
 import sys
 import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from raytrain_lm.data.storage import filesystem, is_uri
 from raytrain_lm.errors import UserError
+from raytrain_lm.storage import filesystem, is_uri
 
 BUILTIN_DOCS = "builtin:python-docs"
 BUILTIN_STDLIB = "builtin:python-stdlib"
@@ -31,7 +34,9 @@ TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".text"}
 JSONL_SUFFIXES = {".jsonl", ".ndjson", ".json"}
 PARQUET_SUFFIXES = {".parquet"}
 COMPRESSION_SUFFIXES = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}
-KNOWN_SUFFIXES = TEXT_SUFFIXES | JSONL_SUFFIXES | PARQUET_SUFFIXES
+SNIFF_BYTES = 8192  # how much of a text input is looked at to tell that it is not text
+NON_TEXT_SHARE = 0.25
+_LONE_SURROGATE = re.compile(r"[\ud800-\udfff]")
 # Test suites and vendored trees are skipped: they are huge and read unlike ordinary code.
 _STDLIB_SKIP = {
     "test",
@@ -154,12 +159,105 @@ def expand_source(source: str) -> list[InputFile]:
     return [_file(info, _uri_for(source, path)) for info, path in sorted(infos, key=lambda x: x[1])]
 
 
-def _decode(data: bytes, source: str) -> Document:
+def expand_sources(sources: list[str]) -> list[InputFile]:
+    """Every source's inputs, in the order the sources are given."""
+    return [item for source in sources for item in expand_source(source)]
+
+
+def _decode(data: bytes) -> tuple[str, int]:
+    """UTF-8 text with each undecodable byte replaced by U+FFFD, and how many there were."""
     try:
-        return Document(source, data.decode("utf-8"))
+        return data.decode("utf-8"), 0
     except UnicodeDecodeError:
-        replaced = len(data) - len(data.decode("utf-8", errors="ignore").encode("utf-8"))
-        return Document(source, data.decode("utf-8", errors="replace"), replaced)
+        kept = len(data.decode("utf-8", errors="ignore").encode("utf-8"))
+        return data.decode("utf-8", errors="replace"), len(data) - kept
+
+
+def _refuse_non_text(data: bytes, uri: str) -> None:
+    """Refuses a text or JSON Lines input that is clearly not UTF-8 text, judged by its first
+    SNIFF_BYTES: any NUL byte (no text holds one; binaries and UTF-16/32 text do), or more
+    than NON_TEXT_SHARE of bytes that do not decode (West European text in Latin-1 has a few
+    percent, a binary or text in another encoding far more)."""
+    head = data[:SNIFF_BYTES]
+    if b"\0" in head:
+        raise UserError(f"{uri}: not a text file: it holds NUL bytes (binary, or UTF-16/32 text?)")
+    _, undecodable = _decode(head)
+    if undecodable > NON_TEXT_SHARE * len(head):
+        raise UserError(
+            f"{uri}: not UTF-8 text: {undecodable} of its first {len(head)} bytes do not "
+            "decode (binary?)"
+        )
+
+
+def _json_text(line: bytes, number: int, uri: str, text_field: str) -> tuple[str, int]:
+    """The text field of one JSON line and how many characters of it were replaced: bytes
+    that are not UTF-8, and escapes of half a surrogate pair (not text either)."""
+    decoded, replaced = _decode(line)
+    try:
+        record = json.loads(decoded)
+    except json.JSONDecodeError as exc:
+        raise UserError(
+            f"{uri}, line {number}: not valid JSON ({exc.msg}, column {exc.colno})"
+        ) from None
+    if not isinstance(record, dict) or text_field not in record:
+        raise UserError(f"{uri}, line {number}: no '{text_field}' field; set data.text_field")
+    text = record[text_field]
+    if not isinstance(text, str):
+        return "", replaced
+    text, halves = _LONE_SURROGATE.subn("\ufffd", text)
+    return text, replaced + halves
+
+
+def _read_bytes(item: InputFile, compression: str | None) -> bytes:
+    try:
+        fs, inner = filesystem(item.uri)
+        with fs.open_input_stream(inner, compression=None) as f:  # not detected: decoded below
+            data = f.read()
+    except OSError as exc:
+        raise UserError(f"cannot read input {item.uri}: {exc}".splitlines()[0]) from None
+    if compression is None:
+        return data
+    try:
+        return pa.input_stream(pa.py_buffer(data), compression=compression).read()
+    except OSError as exc:
+        raise UserError(
+            f"{item.uri}: not valid {compression} data ({exc})".splitlines()[0]
+        ) from None
+
+
+def _is_text_type(kind: pa.DataType) -> bool:
+    if pa.types.is_dictionary(kind):
+        return _is_text_type(kind.value_type)
+    return (
+        pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)
+    )
+
+
+def _parquet_documents(item: InputFile, text_field: str) -> Iterator[Document]:
+    try:
+        fs, inner = filesystem(item.uri)
+        with fs.open_input_file(inner) as f:
+            parquet = pq.ParquetFile(f)
+            schema = parquet.schema_arrow
+            if text_field not in schema.names:
+                raise UserError(
+                    f"{item.uri}: no column '{text_field}' (columns: "
+                    f"{', '.join(schema.names)}); set data.text_field"
+                )
+            kind = schema.field(text_field).type
+            if not _is_text_type(kind):
+                raise UserError(
+                    f"{item.uri}: column '{text_field}' holds {kind}, not strings; "
+                    "set data.text_field"
+                )
+            for batch in parquet.iter_batches(columns=[text_field]):
+                for text in batch.column(0).to_pylist():
+                    if text:
+                        yield Document(item.uri, text)
+    except OSError as exc:
+        raise UserError(f"cannot read input {item.uri}: {exc}".splitlines()[0]) from None
+    except pa.ArrowException as exc:
+        raise UserError(f"{item.uri}: not a valid Parquet file ({exc})".splitlines()[0]) from None
 
 
 def _python_docs() -> Iterator[Document]:
@@ -181,44 +279,22 @@ def _python_docs() -> Iterator[Document]:
 
 def read_documents(item: InputFile, text_field: str = "text") -> Iterator[Document]:
     """The documents of one input, in order: a text file is one document, a JSON Lines file
-    one per line, a Parquet file one per row of `text_field`."""
+    one per line, a Parquet file one per row of `text_field`. Anything wrong with the input
+    raises a one-line UserError naming it (and the line, for JSON Lines)."""
     if item.uri == BUILTIN_DOCS:
         yield from _python_docs()
         return
     kind, compression = _kind(item.uri)
-    kind = kind or "text"
-    try:
-        fs, inner = filesystem(item.uri)
-        if kind == "parquet":
-            with fs.open_input_file(inner) as f:
-                parquet = pq.ParquetFile(f)
-                if text_field not in parquet.schema_arrow.names:
-                    raise UserError(
-                        f"{item.uri}: no column '{text_field}' (columns: "
-                        f"{', '.join(parquet.schema_arrow.names)}); set data.text_field"
-                    )
-                for batch in parquet.iter_batches(columns=[text_field]):
-                    for text in batch.column(0).to_pylist():
-                        if text:
-                            yield Document(item.uri, text)
-            return
-        with fs.open_input_stream(inner, compression=compression) as f:
-            data = f.read()
-    except OSError as exc:
-        raise UserError(f"cannot read input {item.uri}: {exc}".splitlines()[0]) from None
-    if kind == "text":
-        yield _decode(data, item.uri)
+    if kind == "parquet":
+        yield from _parquet_documents(item, text_field)
+        return
+    data = _read_bytes(item, compression)
+    _refuse_non_text(data, item.uri)
+    if kind != "jsonl":
+        yield Document(item.uri, *_decode(data))
         return
     for number, line in enumerate(data.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            raise UserError(f"{item.uri}, line {number}: not valid JSON") from None
-        if not isinstance(record, dict) or text_field not in record:
-            raise UserError(
-                f"{item.uri}, line {number}: no '{text_field}' field; set data.text_field"
-            )
-        if isinstance(record[text_field], str) and record[text_field]:
-            yield Document(item.uri, record[text_field])
+        if line.strip():
+            text, replaced = _json_text(line, number, item.uri, text_field)
+            if text:
+                yield Document(item.uri, text, replaced)

@@ -18,6 +18,8 @@ import numpy as np
 
 from raytrain_lm.data.manifest import Manifest, read_shard
 from raytrain_lm.data.order import SequenceOrder, validation_starts
+from raytrain_lm.data.pipeline import ERROR_COLUMN, ordered_dataset
+from raytrain_lm.errors import UserError
 
 STEPS_PER_READ_TASK = 16
 
@@ -79,7 +81,8 @@ class WorkerSlice:
 
 
 class _ReadSequences:
-    """A Ray Data UDF: step ranges -> the worker's (position, tokens) rows for those steps."""
+    """A Ray Data UDF: step ranges -> the worker's (position, tokens) rows for those steps,
+    or one row whose ERROR_COLUMN names what is wrong with a shard (see `pipeline`)."""
 
     def __init__(self, directory: str, manifest: Manifest, order: SequenceOrder, part: WorkerSlice):
         self.directory, self.manifest, self.order, self.part = directory, manifest, order, part
@@ -95,8 +98,16 @@ class _ReadSequences:
             ]
         )
         shards, starts = self.order.locate_many(positions)
-        tokens = self._cache.sequences(shards, starts, self.order.seq_len + 1)
-        return {"position": positions, "tokens": tokens}
+        length = self.order.seq_len + 1
+        try:
+            tokens = self._cache.sequences(shards, starts, length)
+        except UserError as exc:
+            return {
+                "position": np.array([-1]),
+                "tokens": np.zeros((1, length), dtype=self.manifest.dtype),
+                ERROR_COLUMN: np.array([str(exc)]),
+            }
+        return {"position": positions, "tokens": tokens, ERROR_COLUMN: np.full(len(positions), "")}
 
 
 def stream_train_batches(
@@ -110,28 +121,30 @@ def stream_train_batches(
     prefetch_batches: int = 4,
     read_cpus: float = 0.5,
 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """Yields (positions, tokens[micro_batch, seq_len + 1]) for steps [first_step, end_step)."""
+    """Yields (positions, tokens[micro_batch, seq_len + 1]) for steps [first_step, end_step).
+    A shard that the reader finds missing or corrupted raises its UserError here."""
     import ray.data
 
-    context = ray.data.DataContext.get_current()
-    context.execution_options.preserve_order = True  # batches must arrive in position order
-    context.enable_progress_bars = False
     items = [
         {"step": s, "steps": min(STEPS_PER_READ_TASK, end_step - s)}
         for s in range(first_step, end_step, STEPS_PER_READ_TASK)
     ]
     if not items:
         return
-    dataset = ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
+    # One reader actor, so that one shard cache serves every step.
+    dataset = ordered_dataset(items, len(items)).map_batches(
         _ReadSequences,
         fn_constructor_args=(directory, manifest, order, part),
         batch_size=1,
-        concurrency=1,
+        compute=ray.data.ActorPoolStrategy(size=1),
         num_cpus=read_cpus,
     )
     for batch in dataset.iter_batches(
         batch_size=micro_batch, batch_format="numpy", prefetch_batches=prefetch_batches
     ):
+        failed = np.flatnonzero(batch["position"] < 0)
+        if len(failed):
+            raise UserError(str(batch[ERROR_COLUMN][failed[0]]))
         yield batch["position"], batch["tokens"]
 
 
