@@ -4,6 +4,7 @@ request), then publish the summary, final weights and tracking record."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -17,6 +18,7 @@ from typing import Any
 import yaml
 
 from raytrain_lm.config import RunConfig, flatten, to_yaml
+from raytrain_lm.data.checks import check_data_matches_model, check_inputs
 from raytrain_lm.data.manifest import verify_shards
 from raytrain_lm.data.prepare import prepare
 from raytrain_lm.errors import UserError
@@ -25,7 +27,7 @@ from raytrain_lm.rundir import RunDir
 from raytrain_lm.runtime import ensure_ray, use_gpu
 from raytrain_lm.storage import is_uri
 from raytrain_lm.tokenization import load_tokenizer
-from raytrain_lm.tracking import MLflowTracker, resolve_tracking_uri
+from raytrain_lm.tracking import MLflowTracker
 from raytrain_lm.trainer import faults, signals
 from raytrain_lm.trainer.capacity import create_capacity_view, refresh_capacity_view
 from raytrain_lm.trainer.checkpoint import (
@@ -60,10 +62,14 @@ def train(
     returns its summary at the stop's checkpoint, with `stopped: true`.
     """
     started = time.time()
-    storage = Path(cfg.output_dir).resolve()
+    # Workers, trials and job drivers run in working directories of their own: every path
+    # and the tracking store are pinned here, where the user's working directory is known.
+    cfg = cfg.resolved()
+    storage = Path(cfg.output_dir)
     run_dir = RunDir.of(storage, cfg.name)
     _check_writable(storage)
     _check_resume_compatible(cfg, run_dir, may_change)
+    check_inputs(cfg.data)  # what can be refused without Ray, before starting it
     ensure_ray(cfg.scaling)  # sized for training, before prepare's Ray Data job would start one
     # Before any Ray Data or Ray Train work: both create these cluster-wide actors otherwise.
     keep_gpu_nodes_releasable()
@@ -133,7 +139,7 @@ def _prepared_data(cfg: RunConfig) -> str:
         f"(vocab {manifest.vocab_size})",
         flush=True,
     )
-    check_data_matches_model(cfg, manifest)
+    check_data_matches_model(cfg.data, cfg.model, manifest)
     directory = prepared.directory
     return directory if is_uri(directory) else os.path.abspath(directory)
 
@@ -242,8 +248,12 @@ def _check_resume_compatible(
     """`may_change`: keys a PBT trial may resume with changed (see sweeps.PBT_MUTABLE)."""
     if not run_dir.config.is_file():
         return
-    saved = flatten(yaml.safe_load(run_dir.config.read_text()))
-    current = flatten(cfg)
+    saved_tree = yaml.safe_load(run_dir.config.read_text())
+    with contextlib.suppress(ValueError):
+        # Runs saved before paths were resolved on the driver name them relatively.
+        saved_tree = yaml.safe_load(to_yaml(RunConfig.model_validate(saved_tree).resolved()))
+    saved = flatten(saved_tree)
+    current = flatten(yaml.safe_load(to_yaml(cfg)))  # secrets hidden, as in the saved file
     for key, value in current.items():
         if key in may_change:
             continue
@@ -254,25 +264,6 @@ def _check_resume_compatible(
                     f"run '{cfg.name}' exists with {key}={old!r}, now {value!r}; "
                     f"resume with the same settings or choose another name=..."
                 )
-
-
-def check_data_matches_model(cfg: RunConfig, manifest) -> None:
-    """Refuses a prepared dataset whose tokenizer or vocabulary the config cannot use."""
-    if cfg.data.prepared and manifest.tokenizer_kind != cfg.data.tokenizer.kind:
-        raise UserError(
-            f"prepared data {cfg.data.prepared} uses a {manifest.tokenizer_kind} tokenizer, "
-            f"the config says data.tokenizer.kind={cfg.data.tokenizer.kind}"
-        )
-    if cfg.model.vocab_size is not None and cfg.model.vocab_size < manifest.vocab_size:
-        raise UserError(
-            f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the prepared data's "
-            f"vocabulary ({manifest.vocab_size}, {manifest.tokenizer_kind} tokenizer)"
-        )
-    needed = cfg.model.block_size + 1
-    if not any(s.tokens >= needed for s in manifest.splits["train"].shards):
-        raise UserError(
-            f"training split too small: no shard holds {needed} tokens (model.block_size + 1)"
-        )
 
 
 # ----------------------------------------------------------------------------- tracking
@@ -288,7 +279,7 @@ def _open_tracking(
     nested under `parent_run_id` (a sweep) when given, tagged with `tags`."""
     if not cfg.tracking.enabled:
         return None
-    uri = resolve_tracking_uri(cfg.tracking)
+    uri = cfg.tracking.uri
     record = run_dir.tracking
     run_id = json.loads(record.read_text())["mlflow_run_id"] if record.is_file() else None
     return MLflowTracker.start(
