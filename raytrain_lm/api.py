@@ -26,7 +26,6 @@ def train(
     if isinstance(config, RunConfig) and overrides:
         raise ValueError("pass overrides with a YAML path, or edit the RunConfig directly")
     cfg = config if isinstance(config, RunConfig) else load_config(config, overrides)
-    cfg = cfg.resolved()
     default_ray_env()
     summary = _train(cfg)
     if sample and cfg.training.sample_tokens:
