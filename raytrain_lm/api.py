@@ -28,7 +28,7 @@ def train(
     cfg = config if isinstance(config, RunConfig) else load_config(config, overrides)
     default_ray_env()
     summary = _train(cfg)
-    if sample and cfg.training.sample_tokens:
+    if sample and cfg.training.sample_tokens and not summary["stopped"]:
         from raytrain_lm.generate import sample as _sample
 
         text = _sample(
@@ -50,6 +50,7 @@ def sweep(sweep_file: str | Path, overrides: list[str] | None = None) -> dict[st
     unfinished and errored trials continue from their checkpoints, finished and early-stopped
     ones are not rerun. The summary holds the trials ranked by val loss (`ranked`), the report
     PNG path and `interrupted` (True when the driver was stopped before the sweep ended).
+    A trial that failed with a `UserError` has it raised here once the sweep has ended.
     """
     from raytrain_lm.sweeps import load_sweep, run_sweep
 
@@ -62,7 +63,7 @@ def sweep_report(
     """Ranks the trials of sweep `name` by val loss from MLflow; writes a PNG (val loss against
     each swept key, curves of the best trials) to `out` (default: the sweep's report.png).
     Returns `rows`, the printable `table` and the `png` path."""
-    from raytrain_lm.sweeps_report import report
+    from raytrain_lm.sweeps import report
 
     return report(name, output_dir, out)
 

@@ -355,12 +355,19 @@ def closest_key_hint(model: type[BaseModel], loc: tuple[Any, ...]) -> str:
     return f"; did you mean '{prefix + '.' if prefix else ''}{match[0]}'?"
 
 
-def format_validation_error(err: ValidationError, origin: str) -> str:
+def format_validation_error(
+    err: ValidationError, origin: str, model: type[BaseModel] = RunConfig
+) -> str:
+    """The first problem in `err` (raised validating `model` from `origin`) as one line
+    naming the key: an unknown key with the closest valid one, a missing key, or a bad value
+    with what was given."""
     first = err.errors()[0]
     loc = tuple(first["loc"])
     key = ".".join(str(p) for p in loc)
     if first["type"] == "extra_forbidden":
-        return f"{origin}: unknown key '{key}'{closest_key_hint(RunConfig, loc)}"
+        return f"{origin}: unknown key '{key}'{closest_key_hint(model, loc)}"
+    if first["type"] == "missing":
+        return f"{origin}: missing '{key}'"
     message = first["msg"].removeprefix("Value error, ")
     if not key:
         return f"{origin}: {message}"

@@ -56,7 +56,9 @@ def cpus_needed(scaling: ScalingConfig, workers: int | None = None) -> float:
 
 
 def joins_cluster(scaling: ScalingConfig) -> bool:
-    """A cluster we did not start may autoscale: its resources now are not its limit."""
+    """Whether the run joins a cluster we did not start (`scaling.ray_address` or
+    $RAY_ADDRESS). Such a cluster may autoscale: `check_schedulable` does not take its
+    resources now for its limit."""
     return bool(scaling.ray_address or os.environ.get("RAY_ADDRESS"))
 
 
@@ -78,15 +80,24 @@ def ensure_ray(scaling: ScalingConfig, extra_cpus: float = 0.0) -> None:
             needed = cpus_needed(scaling) + extra_cpus
             logical = max(os.cpu_count() or 1, math.ceil(needed))
             init_local_ray(num_cpus=logical, log_to_driver=True, logging_level=_log_level())
-    check_schedulable(scaling, ray.cluster_resources(), fixed_size=not joins_cluster(scaling))
+    check_schedulable(
+        scaling,
+        ray.cluster_resources(),
+        fixed_size=not joins_cluster(scaling),
+        extra_cpus=extra_cpus,
+    )
 
 
 def check_schedulable(
-    scaling: ScalingConfig, resources: dict[str, float], fixed_size: bool = True
+    scaling: ScalingConfig,
+    resources: dict[str, float],
+    fixed_size: bool = True,
+    extra_cpus: float = 0.0,
 ) -> None:
     """Refuses what can never run. On a cluster of `fixed_size` (a local Ray) the smallest
-    allowed worker group plus the Ray Data budget must fit now; an autoscaling cluster may
-    still add nodes, so only the budget rule applies there."""
+    allowed worker group, the Ray Data budget and `extra_cpus` (a sweep trial's actor) must
+    fit now, with GPUs for the group when it trains on GPUs; an autoscaling cluster may still
+    add nodes, so only the budget rule applies there."""
     workers = scaling.min_size
     if scaling.data_cpus < 0.1 * scaling.max_size:
         raise UserError(
@@ -96,16 +107,22 @@ def check_schedulable(
     if not fixed_size:
         return
     total = resources.get("CPU", 0.0)
-    need = cpus_needed(scaling, workers)
+    need = cpus_needed(scaling, workers) + extra_cpus
     if need > total:
+        extra = f" + {extra_cpus:g} CPU for the sweep trial's actor" if extra_cpus else ""
         raise UserError(
             f"cannot schedule: {workers} workers x {scaling.cpus_per_worker:g} CPU "
-            f"+ {scaling.data_cpus:g} CPU for Ray Data needs {need:g} CPUs, the cluster has {total:g}"
+            f"+ {scaling.data_cpus:g} CPU for Ray Data{extra} needs {need:g} CPUs, "
+            f"the cluster has {total:g}"
         )
     gpus = resources.get("GPU", 0.0)
-    if scaling.use_gpu is True and gpus < workers * scaling.gpus_per_worker:
+    if use_gpu(scaling, resources) and gpus < workers * scaling.gpus_per_worker:
+        why = f"scaling.use_gpu {str(scaling.use_gpu).lower()}"
+        if scaling.accelerator_type is not None:
+            why += f", scaling.accelerator_type {scaling.accelerator_type}"
         raise UserError(
-            f"scaling.use_gpu is true but the cluster has {gpus:g} GPUs for {workers} workers"
+            f"cannot schedule: {workers} workers x {scaling.gpus_per_worker:g} GPU ({why}) "
+            f"need {workers * scaling.gpus_per_worker:g} GPUs, the cluster has {gpus:g}"
         )
     for name, amount in scaling.worker_resources.items():
         if resources.get(name, 0.0) < workers * amount:
@@ -115,15 +132,19 @@ def check_schedulable(
             )
 
 
-def use_gpu(scaling: ScalingConfig) -> bool:
-    """`auto` means: GPUs if the cluster has (or, when joined, may autoscale) GPU capacity."""
-    if scaling.use_gpu == "auto":
+def use_gpu(scaling: ScalingConfig, resources: dict[str, float] | None = None) -> bool:
+    """Whether workers train on GPUs. `auto` means yes when `scaling.accelerator_type` names
+    one, else when the cluster has a GPU per worker of the smallest group now (`resources`,
+    default Ray's): GPU nodes an autoscaler could still add are not counted."""
+    if scaling.use_gpu != "auto":
+        return bool(scaling.use_gpu)
+    if scaling.accelerator_type is not None:
+        return True
+    if resources is None:
         import ray
 
-        if scaling.accelerator_type is not None:
-            return True
-        return ray.cluster_resources().get("GPU", 0.0) >= scaling.min_size
-    return bool(scaling.use_gpu)
+        resources = ray.cluster_resources()
+    return resources.get("GPU", 0.0) >= scaling.min_size
 
 
 def ensure_local_ray() -> None:

@@ -18,6 +18,7 @@ import raytrain_lm
 from raytrain_lm import cli
 from raytrain_lm.config import RunConfig, parse_override, set_dotted
 from raytrain_lm.errors import UserError
+from raytrain_lm.runtime import check_schedulable, ensure_ray
 from raytrain_lm.sweeps import (
     SWEEP_FILE,
     TAG_PBT_DONOR,
@@ -25,11 +26,11 @@ from raytrain_lm.sweeps import (
     TAG_TRIAL,
     TRIALS_DIR,
     TrialRuns,
-    _scheduler,
     derive_max_concurrent,
     load_sweep,
     log_uniform_keys,
 )
+from raytrain_lm.sweeps.search import TRIAL_CPU, build_scheduler, build_search_alg, param_space
 from raytrain_lm.trainer.goodput import read_events
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -115,6 +116,13 @@ def test_sweep_file_typos_get_did_you_mean_and_exit_2(tmp_path):
     path = _write_sweep(tmp_path, [], scheduler={"kind": "asha", "grace_periode": 2})
     with pytest.raises(UserError, match="did you mean 'scheduler.grace_period'"):
         load_sweep(path)
+    # config.format_validation_error words the sweep file's problems as it does a config's
+    spaceless = tmp_path / "spaceless.yaml"
+    spaceless.write_text(yaml.safe_dump({"num_samples": 2}))
+    with pytest.raises(UserError, match=f"^{spaceless}: missing 'space'$"):
+        load_sweep(spaceless)
+    with pytest.raises(UserError, match=r"invalid value for 'num_samples': .* \(got 0\)$"):
+        load_sweep(_write_sweep(tmp_path, [], num_samples=0))
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump({"spaces": {}, "space": {"optim.lr": {"choice": [1e-3]}}}))
     result = subprocess.run(
@@ -139,16 +147,41 @@ def test_keys_sampled_log_uniformly_are_found_in_space_and_pbt_mutations():
 
 
 def test_a_sweep_no_trial_of_which_fits_a_local_ray_is_refused():
-    base = RunConfig.model_validate(load_sweep(ROOT / "experiments/sweeps/lr_width.yaml").base)
+    """A local Ray must hold one trial at its smallest worker group, with Ray Data and the
+    trial's Tune actor (`check_schedulable`, which `ensure_ray` runs for a sweep); how many
+    trials then run side by side counts their largest groups, at least one."""
+    path = ROOT / "experiments/sweeps/lr_width.yaml"
+    base = RunConfig.model_validate(load_sweep(path).base)
     # 1 worker x 1 CPU + 1 CPU for Ray Data + the trial's Tune actor: 2.01 CPUs
-    with pytest.raises(UserError, match=r"each needs 2\.01 CPUs .* this Ray has 2 CPUs"):
-        derive_max_concurrent(base, {"CPU": 2.0}, gpu=False)
+    with pytest.raises(UserError, match=r"actor needs 2\.01 CPUs, the cluster has 2$"):
+        check_schedulable(base.scaling, {"CPU": 2.0}, extra_cpus=TRIAL_CPU)
     # an autoscaling cluster may still add the nodes: one at a time until it does
-    assert derive_max_concurrent(base, {"CPU": 2.0}, gpu=False, fixed_size=False) == 1
+    check_schedulable(base.scaling, {"CPU": 2.0}, fixed_size=False, extra_cpus=TRIAL_CPU)
+    assert derive_max_concurrent(base, {"CPU": 2.0}, gpu=False) == 1
+    check_schedulable(base.scaling, {"CPU": 3.0}, extra_cpus=TRIAL_CPU)
     assert derive_max_concurrent(base, {"CPU": 3.0}, gpu=False) == 1
     assert derive_max_concurrent(base, {"CPU": 7.0}, gpu=False) == 3
-    with pytest.raises(UserError, match=r"and 1 GPUs; this Ray has 8 CPUs and 0 GPUs"):
-        derive_max_concurrent(base, {"CPU": 8.0}, gpu=True)
+    for gpus in ("scaling.use_gpu=true", "scaling.accelerator_type=A100"):
+        scaling = RunConfig.model_validate(load_sweep(path, [gpus]).base).scaling
+        with pytest.raises(UserError, match=r"need 1 GPUs, the cluster has 0$"):
+            check_schedulable(scaling, {"CPU": 8.0}, extra_cpus=TRIAL_CPU)
+    # Elastic, 1 to 4 workers, on 3 CPUs: a trial trains with 1 worker, one trial at a time.
+    elastic = ["scaling.min_workers=1", "scaling.max_workers=4", "training.global_batch_size=24"]
+    elastic = RunConfig.model_validate(load_sweep(path, elastic).base)
+    check_schedulable(elastic.scaling, {"CPU": 3.0}, extra_cpus=TRIAL_CPU)
+    assert derive_max_concurrent(elastic, {"CPU": 3.0}, gpu=False) == 1
+
+
+def test_a_reused_ray_must_leave_room_for_the_trials_actor(ray_session, monkeypatch):
+    """`ensure_ray` checks a running local Ray with the CPUs a sweep adds for its trial's
+    actor: workers and Ray Data taking every CPU leave the actor none."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)  # not a joined (autoscaling) cluster
+    cpus = int(ray_session.cluster_resources()["CPU"])
+    whole = {"num_workers": 1, "cpus_per_worker": cpus - 1, "data_cpus": 1}
+    scaling = RunConfig.model_validate({"scaling": whole}).scaling
+    ensure_ray(scaling)  # the workers and Ray Data alone fit
+    with pytest.raises(UserError, match=f"needs {cpus + TRIAL_CPU:g} CPUs, the cluster has"):
+        ensure_ray(scaling, extra_cpus=TRIAL_CPU)
 
 
 _OWN_RAY = """
@@ -334,6 +367,28 @@ def test_interrupted_sweep_restores_without_duplicates(ray_session, tiny_overrid
     assert resumed == 1
 
 
+def test_a_user_error_in_a_trial_reaches_the_caller_alone(ray_session, tiny_overrides, tmp_path):
+    """A trial refused by its own run (its data.prepared is no prepared dataset) fails in its
+    Tune actor; the sweep's caller gets that UserError, one line, not Tune's summary of an
+    errored trial, once the sweep's MLflow runs are ended."""
+    missing = tmp_path / "not-prepared"
+    path = _write_sweep(
+        tmp_path,
+        [*tiny_overrides, "fault.max_failures=0"],
+        name="refused",
+        space={"data.prepared": {"choice": [str(missing)]}},
+        scheduler="fifo",
+    )
+    with pytest.raises(UserError) as raised:
+        raytrain_lm.sweep(path)
+    assert type(raised.value) is UserError  # not Ray's error class deriving from it
+    assert str(raised.value) == f"no manifest.json in {missing}: not a prepared dataset"
+    uri = next(o.split("=", 1)[1] for o in tiny_overrides if o.startswith("tracking.uri="))
+    _, children, parent = _children(uri, tmp_path / "runs" / "refused")
+    assert parent.info.status == "FAILED"
+    assert not [r for r in children if r.info.status == "RUNNING"]
+
+
 def test_trial_whose_worker_dies_resumes(ray_session, tiny_overrides, tmp_path, monkeypatch):
     """A worker killed just after step 6's checkpoint: Ray Train restarts the trial's worker
     group, which resumes from that checkpoint, and the trial finishes with one MLflow run
@@ -424,7 +479,7 @@ def test_pbt_sweep_files_are_checked(tmp_path):
     sweep = load_sweep(
         pbt(hyperparam_mutations={"optim.warmup_steps": {"randint": [2, 10]}}, synch=True)
     )
-    scheduler = _scheduler(sweep)
+    scheduler = build_scheduler(sweep)
     assert scheduler._perturbation_interval == 2 and scheduler._synch
     # a perturbation (x0.8 or x1.2) stays inside the declared range, and an int stays an int
     explore = scheduler._custom_explore_fn
@@ -433,11 +488,9 @@ def test_pbt_sweep_files_are_checked(tmp_path):
 
 
 def test_optuna_search_samples_the_space(tmp_path):
-    from raytrain_lm.sweeps import _search_alg, param_space
-
     path = _write_sweep(tmp_path, [], search="optuna", seed=3)
     sweep = load_sweep(path)
-    searcher = _search_alg(sweep)
+    searcher = build_search_alg(sweep)
     searcher.set_search_properties("val_loss", "min", param_space(sweep.spec.space))
     suggested = searcher.suggest("t1")
     assert 1e-3 <= suggested["optim.lr"] <= 1e-2 and suggested["model.n_embd"] in (32, 48)

@@ -1,0 +1,209 @@
+"""What runs in a trial's Tune actor: `run_trial`, one full Ray Train run with the trial's
+values, named `<sweep>-<trial id>` in the sweep's `trials/` folder.
+
+The trial is an ordinary training run (its own run directory, checkpoints, elastic scaling,
+fault budgets), so a trial restarted for any reason (a preempted node, an errored trial
+retried by Tune, a restored sweep) resumes from its own last complete checkpoint. Its Ray
+Train reports reach Tune through `ReportToTune`, each with a Tune checkpoint that only points
+at the Train checkpoint; under PBT a trial told to copy another adopts that trial's
+checkpoint before it starts (`_adopt`).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+import ray
+from pydantic import ValidationError
+from ray import tune
+from ray.train import UserCallback
+from ray.util.queue import Empty, Queue
+
+from raytrain_lm.config import RunConfig, format_validation_error, set_dotted
+from raytrain_lm.errors import UserError, surface_user_errors
+from raytrain_lm.sweeps.runs import TAG_PBT_DONOR, TAG_PBT_VALUES, TAG_SWEEP, TAG_TRIAL
+from raytrain_lm.trainer import faults
+
+METRIC = "val_loss"  # what Ray Train reports (loop.py); ranked low to high
+TIME_ATTR = "step"  # survives restarts, unlike Tune's training_iteration
+POINTER_FILE = "train_checkpoint.json"
+
+
+def trial_run_name(sweep_name: str, trial_id: str) -> str:
+    return f"{sweep_name}-{trial_id}"
+
+
+def trial_config(base: dict[str, Any], values: dict[str, Any], run_name: str, trials_dir: str):
+    tree = copy.deepcopy(base)
+    for key, value in values.items():
+        set_dotted(tree, key.split("."), value)
+    tree["name"], tree["output_dir"] = run_name, trials_dir
+    try:
+        return RunConfig.model_validate(tree)
+    except ValidationError as err:
+        raise UserError(format_validation_error(err, f"trial {run_name}")) from None
+
+
+class ReportToTune(UserCallback):
+    """Runs in the trial's Ray Train controller: hands every report, with the path of the
+    checkpoint Ray Train has already persisted, to the trial's actor (`_forward_reports`).
+
+    Ray's `TuneReportCallback` does the same but can only pass metrics; PBT needs a Tune
+    checkpoint with each report, to hand to the trials that copy this one."""
+
+    def __init__(self, queue):
+        self.queue = queue
+
+    def after_report(self, run_context, metrics, checkpoint) -> None:
+        item = dict(metrics[0])
+        item[POINTER_FILE] = checkpoint.path if checkpoint is not None else None
+        # Blocks until the trial took the previous report: Tune's decisions (stop, pause)
+        # come while the trial is at the step that caused them, as with TuneReportCallback.
+        self.queue.put(item)
+
+
+def _report(metrics: dict[str, Any], train_checkpoint: str | None) -> None:
+    """tune.report with a Tune checkpoint that only points at the trial's Ray Train
+    checkpoint: the weights stay where they are, once."""
+    if train_checkpoint is None:
+        tune.report(metrics)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / POINTER_FILE).write_text(json.dumps({"checkpoint": train_checkpoint}))
+        tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(tmp))
+
+
+def _forward_reports(queue, finished: threading.Event, errors: list[Exception]) -> None:
+    """The trial actor's side of ReportToTune, in a thread of its own: the trial's function
+    thread is busy in Ray Train's fit(). Runs until the Train run has ended and every report
+    is passed on."""
+    while True:
+        try:
+            item = queue.get(timeout=0.5)
+        except Empty:
+            if finished.is_set():
+                return
+            continue
+        if errors:
+            continue  # keep taking reports, or the Train controller would block on the queue
+        try:
+            _report(item, item.pop(POINTER_FILE))
+        except Exception as exc:  # raised by run_trial once training is over
+            errors.append(exc)
+
+
+def _adopt(pointer: dict[str, Any], run_dir: Path) -> tuple[str, int] | None:
+    """PBT's exploit: this trial continues from another trial's checkpoint. Copies it into
+    this trial's run directory as its only checkpoint (the trial's own are superseded), with
+    the donor's config as the run's saved config, so the run resumes from it (launch._fit
+    drops Ray Train's list of the removed checkpoints). Returns the
+    donor's run name and step, or None when the checkpoint is the trial's own."""
+    from raytrain_lm.trainer.checkpoint import (  # torch: only where a trial runs
+        CONFIG_FILE,
+        is_complete,
+        latest_complete_checkpoint,
+        read_state,
+    )
+
+    source = Path(pointer["checkpoint"])
+    if source.parent.resolve() == run_dir.resolve():
+        return None  # a pause or a restore: the run resumes from its own newest checkpoint
+    if not is_complete(source):
+        # Pruned meanwhile (the donor trained on past checkpoint.keep_last): its newest.
+        newer = latest_complete_checkpoint(source.parent)
+        if newer is None:
+            raise RuntimeError(f"PBT: no complete checkpoint left in {source.parent} to copy")
+        print(f"[raytrain-lm] PBT: {source.name} was pruned; copying {newer.name} instead")
+        source = newer
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for own in run_dir.glob("checkpoint_*"):
+        shutil.rmtree(own, ignore_errors=True)
+    target = run_dir / source.name
+    shutil.copytree(source, target)
+    shutil.copyfile(source / CONFIG_FILE, run_dir / CONFIG_FILE)
+    return source.parent.name, read_state(target).step
+
+
+def run_trial(values: dict[str, Any], context: dict[str, Any]) -> None:
+    """Tune's trainable: one full Ray Train run with this trial's values, resuming its own
+    run directory when it has one (or, under PBT, continuing from the checkpoint of the trial
+    it was told to copy)."""
+    # torch and the whole trainer: only where a trial runs
+    from raytrain_lm.trainer.launch import default_ray_env
+    from raytrain_lm.trainer.launch import train as launch_train
+
+    trial_id = tune.get_context().get_trial_id()
+    name = trial_run_name(context["name"], trial_id)
+    cfg = trial_config(context["base"], values, name, context["trials_dir"])
+    mutable = tuple(context.get("pbt_mutations") or ())
+    adopted = None
+    checkpoint = tune.get_checkpoint()
+    if checkpoint is not None:
+        with checkpoint.as_directory() as directory:
+            pointer = json.loads((Path(directory) / POINTER_FILE).read_text())
+        adopted = _adopt(pointer, Path(context["trials_dir"]) / name)
+    default_ray_env()
+    if context.get("fault"):
+        # Fault injection reaches trials the way it reaches `train`: through the environment
+        # of the process that launches the Train run, which here is the trial's actor.
+        os.environ[faults.ENV_VAR] = context["fault"]
+    with open(Path(context["trials_dir"]) / f"{name}.starts", "a", encoding="utf-8") as log:
+        log.write(json.dumps({"pid": os.getpid(), "job": ray.get_runtime_context().get_job_id()}))
+        log.write("\n")
+    tags = {
+        TAG_SWEEP: context["name"],
+        TAG_TRIAL: trial_id,
+        "mlflow.source.git.commit": context.get("git_commit"),
+        "ray.job_id": ray.get_runtime_context().get_job_id(),
+        "ray.submission_id": os.environ.get("RAY_JOB_SUBMISSION_ID"),
+        "accelerator_type": _accelerator(cfg.scaling.accelerator_type),
+        "capacity": cfg.scaling.capacity,
+        "spot": str(cfg.scaling.capacity == "spot").lower(),
+    }
+    if mutable:
+        # MLflow params are write-once: the trial's first values stay its params, the values
+        # it trains with now are a tag (and train/lr shows the schedule step by step).
+        tags[TAG_PBT_VALUES] = json.dumps({k: values[k] for k in mutable})
+    if adopted is not None:
+        tags[TAG_PBT_DONOR] = f"{adopted[0]}@{adopted[1]}"
+        print(f"[raytrain-lm] PBT: continuing from {adopted[0]} at step {adopted[1]}", flush=True)
+    queue = Queue(1, actor_options={"num_cpus": 0})
+    finished, errors = threading.Event(), []
+    forwarder = threading.Thread(
+        target=_forward_reports, args=(queue, finished, errors), daemon=True
+    )
+    forwarder.start()
+    try:
+        # A UserError from the Train workers fails the trial as itself: the driver raises it
+        with surface_user_errors():
+            summary = launch_train(
+                cfg,
+                parent_run_id=context.get("parent_run_id"),
+                tags=tags,
+                callbacks=[ReportToTune(queue)],
+                may_change=mutable,
+            )
+    finally:
+        finished.set()
+    forwarder.join()
+    if errors:
+        raise errors[0]
+    # A trial resumed after it had already trained to the end reports nothing through Train:
+    # give Tune its final result either way.
+    _report(
+        {METRIC: summary["val_loss"], TIME_ATTR: summary["steps"], "done_steps": True},
+        summary["checkpoint"],
+    )
+
+
+def _accelerator(kind: str | list[str] | None) -> str:
+    if kind is None:
+        return "cpu"
+    return kind if isinstance(kind, str) else ",".join(kind)
