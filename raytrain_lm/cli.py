@@ -13,6 +13,13 @@ import sys
 from raytrain_lm.errors import UserError, find_user_error
 
 EXIT_USER_ERROR = 2
+EXIT_INTERRUPTED = 130  # stopped before the end (resumable), as after Ctrl-C
+STOP_OUTCOMES = {
+    "stopping": "stopping: the run checkpoints at its next step, then ends (resubmit to "
+    "resume); `raytrain-lm stop {job}` again ends it at once, without that checkpoint",
+    "forced": "ended at once: steps since the run's last checkpoint are lost",
+    "already finished": "already finished",
+}
 
 
 def _split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -217,8 +224,8 @@ def _run_cluster_command(args) -> int:
         if text is not None:
             print(text, end="")
         return 0
-    stopped = jobs.stop(args.job_id, args.address)
-    print(f"{args.job_id}: {'stopping' if stopped else 'already finished'}")
+    outcome = jobs.stop(args.job_id, args.address)
+    print(f"{args.job_id}: " + STOP_OUTCOMES[outcome].format(job=args.job_id))
     return 0
 
 
@@ -267,7 +274,7 @@ def run(argv: list[str]) -> int:
 
     summary = train(cfg)
     print("summary: " + json.dumps(summary))
-    return 0
+    return EXIT_INTERRUPTED if summary["stopped"] else 0
 
 
 def _run_sweep_command(args, short_overrides: list[str]) -> int:
@@ -291,7 +298,7 @@ def _run_sweep_command(args, short_overrides: list[str]) -> int:
     if best is not None:
         print(f"best: {best['run_name']} val_loss {best['val_loss']:.4f} ({best['params']})")
     print(f"report: {summary['report']}")
-    return 130 if summary["interrupted"] else 0
+    return EXIT_INTERRUPTED if summary["interrupted"] else 0
 
 
 def _train_tokenizer(cfg, out: str, sample_bytes: int) -> int:
@@ -335,7 +342,7 @@ def main() -> None:
         code = run(sys.argv[1:])
     except KeyboardInterrupt:
         print("raytrain-lm: interrupted; run the same command again to resume", file=sys.stderr)
-        code = 130
+        code = EXIT_INTERRUPTED
     except Exception as exc:
         # A UserError raised in a Ray task, Train worker or Tune trial arrives wrapped.
         found = find_user_error(exc)

@@ -17,10 +17,13 @@ launches nodes for label selectors; with v1 a mixed run uses the GPU nodes alrea
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
 from raytrain_lm.config import ScalingConfig
+
+logger = logging.getLogger(__name__)
 
 MARKER_AMOUNT = 0.001  # asks for a node kind without using up its capacity
 ACCELERATOR_LABEL = "ray.io/accelerator-type"
@@ -115,4 +118,7 @@ def release_resource_requests(run_id: str) -> None:
         coordinator = ray.get_actor("AutoscalingCoordinator", namespace="AutoscalingCoordinator")
     except ValueError:  # nothing on this cluster ever asked the coordinator for resources
         return
-    ray.get(coordinator.cancel_request.remote(f"train-{run_id}"), timeout=30)
+    try:
+        ray.get(coordinator.cancel_request.remote(f"train-{run_id}"), timeout=30)
+    except Exception:  # best effort: the request still expires by itself
+        logger.warning("could not withdraw run %s's resource request", run_id, exc_info=True)

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+from collections.abc import Iterator
 
 from raytrain_lm.config import ScalingConfig
 from raytrain_lm.errors import UserError
+
+API_SERVER_ENV = "RAY_API_SERVER_ADDRESS"
 
 
 def _log_level() -> str:
@@ -22,23 +26,32 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def init_local_ray(**kwargs) -> None:
-    """Starts a local Ray whose processes know its API server's address.
+@contextlib.contextmanager
+def naming_api_server(url: str) -> Iterator[None]:
+    """While inside, Ray processes started from here learn their cluster's API server.
 
     Ray Train frees a stopped run's placement group from a helper that otherwise finds the
     cluster by scanning this machine: with a second Ray running here (another user, a test
     suite) it finds several, gives up, and the run's CPUs stay reserved. Ray's processes
     inherit the variable when they start; it is removed again so that this process's own
-    subprocesses (another cluster's `ray start`, say) do not.
-    """
+    subprocesses (another cluster's `ray start`, say) do not."""
+    os.environ[API_SERVER_ENV] = url
+    try:
+        yield
+    finally:
+        os.environ.pop(API_SERVER_ENV, None)
+
+
+def init_local_ray(**kwargs) -> None:
+    """Starts a local Ray whose processes know its API server's address (see
+    `naming_api_server`)."""
     import ray
 
-    if os.environ.get("RAY_API_SERVER_ADDRESS"):
+    if os.environ.get(API_SERVER_ENV):
         ray.init(address="local", **kwargs)
         return
     port = free_port()
-    os.environ["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"
-    try:
+    with naming_api_server(f"http://127.0.0.1:{port}"):
         ray.init(
             address="local",
             include_dashboard=True,
@@ -46,8 +59,6 @@ def init_local_ray(**kwargs) -> None:
             dashboard_port=port,
             **kwargs,
         )
-    finally:
-        os.environ.pop("RAY_API_SERVER_ADDRESS", None)
 
 
 def cpus_needed(scaling: ScalingConfig, workers: int | None = None) -> float:

@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
-from raytrain_lm.config import TrackingConfig
 from raytrain_lm.errors import UserError
 from raytrain_lm.redaction import redact
 
@@ -54,12 +53,6 @@ class NullTracker:
         pass
 
 
-def resolve_tracking_uri(cfg: TrackingConfig, base_dir: str | Path = ".") -> str:
-    """The store a run logs to (`TrackingConfig.store_uri`); `RunConfig.resolved` already
-    put it in `tracking.uri`."""
-    return cfg.store_uri(base_dir)
-
-
 def _spool_dir() -> Path:
     return Path(os.environ.get(SPOOL_ENV) or Path(tempfile.gettempdir()) / "raytrain-lm-spool")
 
@@ -70,6 +63,14 @@ def _retry_on_our_schedule(uri: str) -> None:
         # MLflow's default of 7 retries with exponential backoff holds each call for minutes.
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
+
+
+def _check_local_store(uri: str) -> None:
+    """A local store that cannot exist is not an outage to wait for: refuse it at once."""
+    if uri.startswith("sqlite:///"):
+        path = Path(uri.removeprefix("sqlite:///").partition("?")[0])
+        if path.name != ":memory:" and not path.parent.is_dir():
+            raise UserError(f"tracking store {uri}: folder {path.parent} does not exist")
 
 
 def _permanent(exc: Exception) -> bool:
@@ -123,6 +124,7 @@ class MLflowTracker:
         for it, up to `wait_s` (a sweep's trial or a restart during an outage), then raises a
         `UserError` naming the store and `tracking.start_wait_s`."""
         _retry_on_our_schedule(uri)
+        _check_local_store(uri)
         deadline = time.monotonic() + wait_s
         warned = False
         while True:

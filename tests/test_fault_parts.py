@@ -245,3 +245,39 @@ def test_graceful_stop_requests_once_then_forces(tmp_path):
         assert done.stdout.split() == ["requested", "True", "forced", "left", "False"], mode
         assert time.monotonic() - started < 20
         assert "stopping at the next step with a checkpoint" in done.stderr
+
+
+def test_worker_group_start_timeouts_are_logged_in_one_line(tmp_path):
+    """Ray Train's controller logs each worker-group start timeout with a full traceback;
+    once our callback is unpickled in its process, the message stays and the traceback goes.
+    Other errors keep theirs."""
+    import io
+    import logging
+    import pickle
+
+    from ray.train.v2.api.exceptions import WorkerGroupError
+
+    from raytrain_lm.trainer.callbacks import CONTROLLER_LOGGER, FailureEvents
+
+    pickle.loads(pickle.dumps(FailureEvents(str(tmp_path))))
+    log, out = logging.getLogger(CONTROLLER_LOGGER), io.StringIO()
+    handler = logging.StreamHandler(out)
+    log.addHandler(handler)
+    try:
+        for error in (_startup_timeout(), WorkerGroupError("boom", {})):
+            try:
+                raise error
+            except Exception as exc:
+                log.exception("Error in control loop iteration: %s", exc)
+    finally:
+        log.removeHandler(handler)
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith("Error in control loop iteration: ")
+    assert "Traceback" not in lines[1]  # the timeout: one line
+    assert sum("Traceback" in line for line in lines) == 1  # the other error: its traceback
+
+
+def _startup_timeout() -> Exception:
+    from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError
+
+    return WorkerGroupStartupTimeoutError(num_workers=3)

@@ -48,6 +48,16 @@ def test_giving_up_on_an_unreachable_store_is_one_user_error():
     assert time.monotonic() - started < 60
 
 
+def test_a_local_store_that_cannot_exist_is_refused_at_once(tmp_path):
+    """An sqlite file in a folder that does not exist is a mistake, not an outage: no wait."""
+    started = time.monotonic()
+    uri = f"sqlite:///{tmp_path}/missing/mlflow.db"
+    with pytest.raises(UserError, match=f"folder {tmp_path}/missing does not exist"):
+        MLflowTracker.start(uri, "nowhere", "refused", None, wait_s=600)
+    assert time.monotonic() - started < 5
+    assert not (tmp_path / "missing").exists()
+
+
 @pytest.fixture
 def server(mlflow_server):
     """The session's server (conftest.py), running again after the test whatever happened."""

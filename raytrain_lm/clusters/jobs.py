@@ -10,6 +10,7 @@ cluster's setup installed. Clusters run with token auth: the client needs the cl
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import re
 import shlex
@@ -19,6 +20,7 @@ from typing import Any
 
 from raytrain_lm.clusters.autoscaling import read_state
 from raytrain_lm.errors import UserError
+from raytrain_lm.trainer.stopping import STOP_ACKNOWLEDGED
 
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
 # Ray refuses uploads over 100 MiB; datasets, runs and environments are the usual culprits.
@@ -120,8 +122,11 @@ def entrypoint(
         moved.append(f"output_dir={storage}/{cfg.output_dir}")
     if not os.path.isabs(cfg.data.cache_dir) and "://" not in cfg.data.cache_dir:
         moved.append(f"data.cache_dir={storage}/{cfg.data.cache_dir}")
-    if cfg.tracking.enabled and cfg.tracking.uri is None:
-        moved.append(f"tracking.uri=sqlite:///{storage}/mlflow.db")
+    if cfg.tracking.enabled:
+        uri = cfg.tracking.uri or "sqlite:///mlflow.db"
+        database = uri.removeprefix("sqlite:///")
+        if uri.startswith("sqlite:///") and not database.startswith(("/", ":memory:")):
+            moved.append(f"tracking.uri=sqlite:///{storage}/{database.removeprefix('./')}")
     for item in moved:
         args += ["--set", _storage_arg(item)]
     if cfg.scaling.ray_address is None:
@@ -133,6 +138,7 @@ def entrypoint(
 
 
 AGENT_WAIT_S = 120
+STOP_MARGIN_S = 30  # beyond fault.stop_timeout_s, for the driver to publish and exit
 
 
 def submit(
@@ -160,7 +166,15 @@ def submit(
                 runtime_env={
                     "working_dir": str(working.resolve()),
                     "excludes": UPLOAD_EXCLUDES,
-                    "env_vars": {"RAY_TRAIN_V2_ENABLED": "1"},
+                    "env_vars": {
+                        "RAY_TRAIN_V2_ENABLED": "1",
+                        # Read by the job's supervisor: how long after `stop`'s SIGTERM it
+                        # kills the driver. The driver's graceful stop needs up to
+                        # fault.stop_timeout_s for its checkpoint.
+                        "RAY_JOB_STOP_WAIT_TIME_S": str(
+                            math.ceil(cfg.fault.stop_timeout_s + STOP_MARGIN_S)
+                        ),
+                    },
                 },
                 metadata={"raytrain_lm_run": cfg.name},
             )
@@ -204,9 +218,37 @@ def logs(job_id: str, address: str | None = None, follow: bool = False) -> str |
         raise UserError(f"job {job_id}: {_first_line(exc)}") from None
 
 
-def stop(job_id: str, address: str | None = None) -> bool:
+def stop(job_id: str, address: str | None = None) -> str:
+    """Asks a running job to stop: its driver checkpoints at the next step and ends the run
+    (resumable by submitting it again). Asked again while that is under way, ends the driver
+    at once instead. Returns what happened: `stopping`, `forced` or `already finished`."""
     jobs = client(address)
     try:
-        return jobs.stop_job(job_id)
+        info = jobs.get_job_info(job_id)
+        if getattr(info.status, "value", str(info.status)) in ("SUCCEEDED", "FAILED", "STOPPED"):
+            return "already finished"
+        if STOP_ACKNOWLEDGED in jobs.get_job_logs(job_id):
+            _force(jobs, info, job_id)
+            return "forced"
+        jobs.stop_job(job_id)
+        return "stopping"
+    except UserError:
+        raise
     except Exception as exc:
         raise UserError(f"job {job_id}: {_first_line(exc)}") from None
+
+
+def _force(jobs, info, job_id: str) -> None:
+    """Kills a stopping job's driver (and its process group) with a one-line job on the node
+    it runs on: Ray's own stop signals a driver once, and has no second, harder signal.
+    The run loses the steps since its last checkpoint, and its resource request expires by
+    itself (about 3 minutes) instead of being withdrawn."""
+    driver = getattr(info, "driver_info", None)
+    if driver is None or not driver.pid:
+        raise UserError(f"job {job_id}: its driver is not known to Ray yet; try again shortly")
+    kill = (
+        f"python -c 'import os, signal; os.killpg(os.getpgid({int(driver.pid)}), signal.SIGKILL)'"
+    )
+    # Entrypoints run on the head node, as the driver it kills does (submit asks for no
+    # entrypoint resources that would place it elsewhere).
+    jobs.submit_job(entrypoint=kill, submission_id=f"{job_id}-force-{time.strftime('%H%M%S')}")

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from raytrain_lm.runtime import free_port
+from raytrain_lm.runtime import free_port, naming_api_server
 from raytrain_lm.trainer.goodput import read_events
 
 SLOT = "trainslot"
@@ -82,14 +82,17 @@ class LocalCluster:
         os.environ.setdefault("TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S", "3")
         self.cpus_per_node = cpus_per_node
         self.cluster = Cluster(initialize_head=False)
-        _start_node(
-            lambda: self.cluster.add_node(
-                num_cpus=head_cpus,
-                include_dashboard=True,  # Ray Train V2 polls the state API
-                dashboard_port=free_port(),  # another Ray on this machine may hold 8265
-                _system_config=FAST_HEALTH_CHECKS,
+        port = free_port()  # another Ray on this machine may hold 8265
+        self.api_server = f"http://127.0.0.1:{port}"
+        with naming_api_server(self.api_server):
+            _start_node(
+                lambda: self.cluster.add_node(
+                    num_cpus=head_cpus,
+                    include_dashboard=True,  # Ray Train V2 polls the state API
+                    dashboard_port=port,
+                    _system_config=FAST_HEALTH_CHECKS,
+                )
             )
-        )
         self.nodes = [self.add_node() for _ in range(workers)]
         ray.init(address=self.cluster.address)
 
@@ -109,9 +112,10 @@ class LocalCluster:
         ]
 
     def add_node(self):
-        node = _start_node(
-            lambda: self.cluster.add_node(num_cpus=self.cpus_per_node, resources={SLOT: 1})
-        )
+        with naming_api_server(self.api_server):
+            node = _start_node(
+                lambda: self.cluster.add_node(num_cpus=self.cpus_per_node, resources={SLOT: 1})
+            )
         if hasattr(self, "nodes"):
             self.nodes.append(node)
         return node

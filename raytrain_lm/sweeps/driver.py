@@ -4,7 +4,6 @@ MLflow run, report, and raise the `UserError` a trial failed with, if any."""
 
 from __future__ import annotations
 
-import copy
 import os
 import signal
 import subprocess
@@ -38,7 +37,6 @@ from raytrain_lm.sweeps.search import (
 )
 from raytrain_lm.sweeps.spec import Sweep
 from raytrain_lm.sweeps.trial import METRIC, run_trial
-from raytrain_lm.tracking import resolve_tracking_uri
 from raytrain_lm.trainer import faults
 
 
@@ -68,14 +66,14 @@ def run_sweep(sweep: Sweep) -> dict[str, Any]:
     sweep.directory.mkdir(parents=True, exist_ok=True)
     trials_dir = sweep.directory / TRIALS_DIR
     trials_dir.mkdir(exist_ok=True)
-    # Trials run in Tune's actors, whose working directory is not ours: pin every path now.
-    base = copy.deepcopy(sweep.base)
-    base["tracking"]["uri"] = resolve_tracking_uri(base_cfg.tracking)
-    base["data"]["cache_dir"] = str(Path(base_cfg.data.cache_dir).resolve())
-    if not any(k.startswith("data.") for k in sweep.spec.space) and not base_cfg.data.prepared:
+    # Trials run in Tune's actors, whose working directory is not ours: pin every path now
+    # (and each trial's own values against the same folder: run_trial).
+    pinned = base_cfg.resolved()
+    if not any(k.startswith("data.") for k in sweep.spec.space) and not pinned.data.prepared:
         # Prepare once here rather than in every trial at the same time.
-        base["data"]["prepared"] = str(Path(prepare(base_cfg.data).directory).resolve())
-    record = sweep_record(sweep, base["tracking"]["uri"])
+        pinned.data.prepared = prepare(pinned.data).directory
+    base = pinned.model_dump(mode="json")
+    record = sweep_record(sweep, pinned.tracking.uri)
     git_commit = _git_commit(Path(__file__).resolve().parent, Path(sweep.source).parent)
     parent = open_parent_run(sweep, record, git_commit)
     record["parent_run_id"] = parent.run_id
@@ -86,6 +84,7 @@ def run_sweep(sweep: Sweep) -> dict[str, Any]:
         "name": sweep.name,
         "base": base,
         "trials_dir": str(trials_dir),
+        "working_dir": os.getcwd(),
         "parent_run_id": parent.run_id,
         "git_commit": git_commit,
         "fault": os.environ.get(faults.ENV_VAR),

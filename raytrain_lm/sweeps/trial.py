@@ -141,7 +141,9 @@ def run_trial(values: dict[str, Any], context: dict[str, Any]) -> None:
 
     trial_id = tune.get_context().get_trial_id()
     name = trial_run_name(context["name"], trial_id)
+    # A relative path among the trial's values means one in the sweep driver's folder.
     cfg = trial_config(context["base"], values, name, context["trials_dir"])
+    cfg = cfg.resolved(context.get("working_dir"))
     mutable = tuple(context.get("pbt_mutations") or ())
     adopted = None
     checkpoint = tune.get_checkpoint()

@@ -27,11 +27,32 @@ def alive_node_ids() -> set[str]:
     return {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
 
 
+CONTROLLER_LOGGER = "ray.train.v2._internal.execution.controller.controller"
+
+
+class _OneLineStartTimeouts(logging.Filter):
+    """The controller logs a worker group that did not start in time with its whole
+    traceback, once per attempt; the one-line message says all a user can act on."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if type(error).__name__ == "WorkerGroupStartupTimeoutError":
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
 class FailureEvents(UserCallback):
     def __init__(self, run_dir: str, node_loss_wait_s: float = 0.0):
         self.run_dir = run_dir
         self.node_loss_wait_s = node_loss_wait_s
         self._handled: set[str] = set()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # Unpickled in the controller's process: the one place its logger can be reached.
+        self.__dict__.update(state)
+        controller_log = logging.getLogger(CONTROLLER_LOGGER)
+        if not any(isinstance(f, _OneLineStartTimeouts) for f in controller_log.filters):
+            controller_log.addFilter(_OneLineStartTimeouts())
 
     def after_exception(self, run_context: Any, worker_exceptions: dict[int, Exception]) -> None:
         kinds = sorted({type(e).__name__ for e in worker_exceptions.values()})

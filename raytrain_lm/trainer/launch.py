@@ -22,7 +22,11 @@ from raytrain_lm.data.checks import check_data_matches_model, check_inputs
 from raytrain_lm.data.manifest import verify_shards
 from raytrain_lm.data.prepare import prepare
 from raytrain_lm.errors import UserError
-from raytrain_lm.placement import keep_gpu_nodes_releasable, worker_resources
+from raytrain_lm.placement import (
+    keep_gpu_nodes_releasable,
+    release_resource_requests,
+    worker_resources,
+)
 from raytrain_lm.rundir import RunDir
 from raytrain_lm.runtime import ensure_ray, use_gpu
 from raytrain_lm.storage import is_uri
@@ -340,7 +344,12 @@ def _fit(spec: WorkerSpec, callbacks: list | None = None) -> None:
             ],
         ),
     )
-    run_interruptibly(trainer.fit)
+    try:
+        run_interruptibly(trainer.fit)
+    finally:
+        # A run that ends cleanly has withdrawn its resource request already; one forced to
+        # end (a second signal, a failure) would leave it to expire, and idle nodes with it.
+        release_resource_requests(trainer.train_run_context.run_id)
 
 
 def _scaling(cfg: RunConfig, gpu: bool):

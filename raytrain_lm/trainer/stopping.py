@@ -24,6 +24,9 @@ from raytrain_lm.rundir import RunDir
 from raytrain_lm.trainer.signals import clear_stop_request, request_stop
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# Printed when a stop request reached the driver; `raytrain-lm stop` looks for it in a job's
+# log to tell a second stop (force it) from a first.
+STOP_ACKNOWLEDGED = "stopping at the next step with a checkpoint"
 
 
 class GracefulStop:
@@ -62,7 +65,7 @@ class GracefulStop:
         self.requested = True
         request_stop(self.run_dir, why=name)
         print(
-            f"[raytrain-lm] {name}: stopping at the next step with a checkpoint (at most "
+            f"[raytrain-lm] {name}: {STOP_ACKNOWLEDGED} (at most "
             f"{self.timeout_s:g} s, fault.stop_timeout_s); send it again to end at once",
             file=sys.stderr,
             flush=True,
