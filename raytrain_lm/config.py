@@ -1,7 +1,10 @@
 """One typed config tree for a run, loaded from YAML plus dotted overrides.
 
-Each component receives only its own sub-config (`cfg.model`, `cfg.optim`, ...). The defaults
-below *are* the embedded demo: `raytrain-lm train` with no arguments trains on them.
+Components receive only their own section (`build_model(cfg.model)`, `prepare(cfg.data)`,
+`BatchPlan.derive(cfg.training)`, `ensure_ray(cfg.scaling)`, ...); only the orchestrators that
+wire them together (the driver in trainer/launch.py, the worker loop, the sweep driver) hold
+the whole tree. The defaults below *are* the embedded demo: `raytrain-lm train` with no
+arguments trains on them.
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -192,23 +193,90 @@ def test_run_asking_for_a100_scales_up_lands_there_and_scales_down(local_cluster
     assert _state(url, ALIVE_WORKER_TYPES) == [], "the A100 node did not scale down when idle"
 
 
-def test_demo_config_gets_a_cpu_node_and_no_gpu_node(local_cluster, storage):
+ALIVE_CPU_NODES = """
+nodes = list_nodes(address=dashboard, detail=True, limit=100)
+result = sum(1 for n in nodes if n.state == "ALIVE" and "cpu_node" in n.resources_total)
+"""
+
+
+def _wait_for_log(url: str, job: str, text: str, timeout: float) -> str:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        logs = _cli("logs", job, "--address", url).stdout
+        if text in logs:
+            return logs
+        assert "FAILED" not in _cli("status", job, "--address", url).stdout, logs[-3000:]
+        time.sleep(2)
+    raise AssertionError(f"{text!r} not in the logs of {job} after {timeout} s")
+
+
+def _wait_for_status(url: str, job: str, status: str, timeout: float) -> float:
+    started = time.time()
+    while not _cli("status", job, "--address", url).stdout.startswith(f"{job}: {status}"):
+        assert time.time() - started < timeout, _cli("logs", job, "--address", url).stdout[-3000:]
+        time.sleep(1)
+    return time.time() - started
+
+
+def test_demo_config_gets_cpu_nodes_and_a_stop_checkpoints_then_frees_them(local_cluster, storage):
     """experiments/demo.yaml names no GPU type and finds no GPU: its workers ask for `cpu_node`
     (the head said the cluster has such nodes), so the autoscaler launches a CPU node type,
     where a worker group also starts cleanly (every fake node has its own copy of the job's
-    files: MKL died in workers whose working dir another node had just unpacked again)."""
+    files: MKL died in workers whose working dir another node had just unpacked again).
+
+    `raytrain-lm stop` mid-run: the run checkpoints at its next step and ends (STOPPED), and the
+    node leaves on the normal idle timeout, not when Ray Train's resource request expires
+    (3 minutes). A second job stopped twice ends at once, without that checkpoint."""
     url = local_cluster["dashboard"]
     sets = [
         "experiments/demo.yaml",
         *[
             arg
-            for item in [*TINY, "training.max_steps=4", "tracking.enabled=false", "name=demo-cpu"]
+            for item in [
+                *TINY,
+                "training.progress=true",
+                "training.log_every=5",
+                "training.max_steps=100000",  # stopped long before
+                "checkpoint.every_steps=100000",
+                "fault.preemption_check_s=0.5",
+                "tracking.enabled=false",
+                "name=demo-cpu",
+            ]
             for arg in ("--set", item)
         ],
     ]
-    logs = _submit(url, storage, "demo-cpu", *sets, timeout=420)
+    args = ["--address", url, "--storage", str(storage)]
+    assert _cli("submit", *sets, *args, "--job-id", "demo-cpu").returncode == 0
+    _wait_for_log(url, "demo-cpu", "/100000 | loss", 300)
+    stop = _cli("stop", "demo-cpu", "--address", url)
+    assert stop.returncode == 0 and "demo-cpu: stopping: the run checkpoints" in stop.stdout
+    _wait_for_status(url, "demo-cpu", "STOPPED", 120)
+    logs = _cli("logs", "demo-cpu", "--address", url).stdout
+    checkpointed = [line for line in logs.splitlines() if "stop: just-in-time checkpoint" in line]
+    assert len(checkpointed) == 1, logs[-3000:]
+    step = re.search(r"at step (\d+)", checkpointed[0]).group(1)
+    assert f"run 'demo-cpu' stopped at step {step} with a checkpoint" in logs
     added = [line for line in logs.splitlines() if "Adding 1 node(s) of type" in line]
     assert added and all("of type cpu_" in line for line in added), added
     assert "oneMKL" not in logs
     placed = _state(url, PLACED_WORKERS.format(submission="demo-cpu"))
     assert len(placed) >= 2 and all("cpu_node" in resources for resources in placed), placed
+
+    # idle_timeout_minutes is 0.25 in cluster/local.yaml: the nodes leave well before Ray
+    # Train's resource request would have expired (180 s), as the stopped run withdrew it.
+    stopped_at = time.time()
+    while _state(url, ALIVE_CPU_NODES) and time.time() - stopped_at < 150:
+        time.sleep(3)
+    assert _state(url, ALIVE_CPU_NODES) == 0, "the CPU nodes stayed after the stop"
+
+    # Rank 0 looks for the stop only every 60 s here: the graceful path would take that long.
+    forced = [*sets[:-2], "--set", "name=demo-cpu-forced", "--set", "fault.preemption_check_s=60"]
+    assert _cli("submit", *forced, *args, "--job-id", "forced").returncode == 0
+    _wait_for_log(url, "forced", "/100000 | loss", 300)
+    assert "stopping:" in _cli("stop", "forced", "--address", url).stdout
+    _wait_for_log(url, "forced", "stopping at the next step with a checkpoint", 60)
+    second = _cli("stop", "forced", "--address", url)
+    assert "forced: ended at once" in second.stdout, second.stdout + second.stderr
+    # Ended by the kill, not by the graceful path or Ray's own grace period after the signal.
+    assert _wait_for_status(url, "forced", "STOPPED", 60) < 30
+    assert "stopped at step" not in _cli("logs", "forced", "--address", url).stdout
