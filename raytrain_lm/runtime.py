@@ -86,7 +86,7 @@ def ensure_ray(scaling: ScalingConfig, extra_cpus: float = 0.0) -> None:
     if not ray.is_initialized():
         if joins_cluster(scaling):
             # an existing cluster is sized by its own config: no num_cpus here
-            ray.init(address=scaling.ray_address, log_to_driver=True)
+            ray.init(address=scaling.ray_address, log_to_driver=True, logging_level=_log_level())
         else:
             needed = cpus_needed(scaling) + extra_cpus
             logical = max(os.cpu_count() or 1, math.ceil(needed))
@@ -164,7 +164,7 @@ def ensure_local_ray() -> None:
 
     if not ray.is_initialized():
         if os.environ.get("RAY_ADDRESS"):
-            ray.init(log_to_driver=True)
+            ray.init(log_to_driver=True, logging_level=_log_level())
         else:
             # logical CPUs also cover the default training run that usually follows
             init_local_ray(

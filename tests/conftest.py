@@ -73,3 +73,27 @@ def mlflow_server(tmp_path_factory):
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def learned_run(ray_session, tmp_path_factory, shared_dirs) -> dict:
+    """One tracked 2-worker run, 40 steps (val loss and a checkpoint at steps 20 and 40), that
+    the tests reading a finished run back share instead of each training its own. Its run
+    directory is `output_dir / "learns"`; tests must not change it (copy it first)."""
+    import raytrain_lm
+    from raytrain_lm.config import load_config
+
+    output_dir = tmp_path_factory.mktemp("learned") / "runs"
+    overrides = [
+        *TINY,
+        f"output_dir={output_dir}",
+        f"data.cache_dir={shared_dirs['data']}",
+        f"tracking.uri=sqlite:///{shared_dirs['mlflow']}",
+        "name=learns",
+        "training.max_steps=40",
+        "training.eval_every=20",
+        "checkpoint.every_steps=20",
+        "optim.lr=3e-3",
+    ]
+    summary = raytrain_lm.train(load_config(None, overrides), sample=False)
+    return {"summary": summary, "overrides": overrides, "output_dir": output_dir}

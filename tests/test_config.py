@@ -194,6 +194,13 @@ def test_sampling_refuses_the_values_the_cli_refuses():
             sample(Path("no-checkpoint-needed"), "def ", **bad)
 
 
+@pytest.fixture
+def session_ray_env(ray_session) -> dict[str, str]:
+    """The environment of a CLI that joins this session's Ray (as it would join a cluster
+    through RAY_ADDRESS) instead of starting one: half a minute saved per command."""
+    return {**os.environ, "RAY_ADDRESS": ray_session.get_runtime_context().gcs_address}
+
+
 def _cli(args, cwd, env=None):
     return subprocess.run(
         [sys.executable, "-m", "raytrain_lm.cli", *args],
@@ -221,11 +228,13 @@ def _cli(args, cwd, env=None):
         (["frobnicate"], "invalid choice"),
     ],
 )
-def test_cli_user_errors_are_one_line_exit_2_and_write_nothing(tmp_path, args, message):
+def test_cli_user_errors_are_one_line_exit_2_and_write_nothing(
+    tmp_path, args, message, session_ray_env
+):
     (tmp_path / "bad.yaml").write_text("optim: {lr: [\n")
     (tmp_path / "empty.txt").write_text("   \n")
     before = sorted(p.name for p in tmp_path.iterdir())
-    result = _cli(args, tmp_path)
+    result = _cli(args, tmp_path, session_ray_env)
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("raytrain-lm: error: "), result.stderr
@@ -257,21 +266,21 @@ def test_config_show_prints_the_resolved_config(tmp_path):
     assert "s3cr3t" not in result.stdout
 
 
-def test_cli_refuses_a_corrupted_shard_before_training(tmp_path):
+def test_cli_refuses_a_corrupted_shard_before_training(tmp_path, session_ray_env):
     (tmp_path / "corpus.txt").write_text("some text to train on. " * 2000)
     args = ["--set", "data.sources=corpus.txt", "--set", "data.cache_dir=d"]
-    assert _cli(["prepare", *args], tmp_path).returncode == 0
-    again = _cli(["prepare", *args], tmp_path)
+    assert _cli(["prepare", *args], tmp_path, session_ray_env).returncode == 0
+    again = _cli(["prepare", *args], tmp_path, session_ray_env)
     assert again.returncode == 0 and "nothing to do" in again.stdout
     shard = next((tmp_path / "d").glob("*/train-00000.parquet"))
     shard.write_bytes(shard.read_bytes()[:-4] + b"oops")
-    result = _cli(["train", *args], tmp_path)
+    result = _cli(["train", *args], tmp_path, session_ray_env)
     assert result.returncode == 2
     assert "shard train-00000.parquet is corrupted" in result.stderr
     assert not (tmp_path / "runs").exists()
 
 
-def test_tokenizer_train_then_prepare_then_mismatches_are_refused(tmp_path):
+def test_tokenizer_train_then_prepare_then_mismatches_are_refused(tmp_path, session_ray_env):
     (tmp_path / "corpus.txt").write_text(
         "Byte-level BPE 训练 on a small sample. " * 3000, encoding="utf-8"
     )
@@ -279,10 +288,11 @@ def test_tokenizer_train_then_prepare_then_mismatches_are_refused(tmp_path):
     trained = _cli(
         ["tokenizer", "train", *base, "--set", "data.tokenizer.vocab_size=300", "--out", "tok"],
         tmp_path,
+        session_ray_env,
     )
     assert trained.returncode == 0, trained.stderr
     assert (tmp_path / "tok" / "tokenizer.json").is_file()
-    again = _cli(["tokenizer", "train", *base, "--out", "tok"], tmp_path)
+    again = _cli(["tokenizer", "train", *base, "--out", "tok"], tmp_path, session_ray_env)
     assert again.returncode == 2 and "exists" in again.stderr
 
     bpe = [
@@ -292,7 +302,7 @@ def test_tokenizer_train_then_prepare_then_mismatches_are_refused(tmp_path):
         "--set",
         "data.tokenizer.path=tok/tokenizer.json",
     ]
-    prepared = _cli(["prepare", *bpe], tmp_path)
+    prepared = _cli(["prepare", *bpe], tmp_path, session_ray_env)
     assert prepared.returncode == 0 and "bpe tokenizer, vocab 2" in prepared.stdout, prepared.stderr
     folder = next(p for p in (tmp_path / "d").iterdir() if not p.name.startswith("."))
 
@@ -304,10 +314,12 @@ def test_tokenizer_train_then_prepare_then_mismatches_are_refused(tmp_path):
         ),
     ]
     for extra, message in cases:
-        result = _cli(["train", "--set", f"data.prepared={folder}", *extra], tmp_path)
+        result = _cli(
+            ["train", "--set", f"data.prepared={folder}", *extra], tmp_path, session_ray_env
+        )
         assert result.returncode == 2 and message in result.stderr, result.stderr
     (tmp_path / "nothing").mkdir()
-    result = _cli(["train", "--set", "data.prepared=nothing"], tmp_path)
+    result = _cli(["train", "--set", "data.prepared=nothing"], tmp_path, session_ray_env)
     # the error names the folder as resolved (relative to the working directory)
     assert result.returncode == 2 and f"no manifest.json in {tmp_path / 'nothing'}" in result.stderr
     assert not (tmp_path / "runs").exists()

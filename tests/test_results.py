@@ -69,31 +69,18 @@ def test_unknown_runs_are_refused_with_where_we_looked(tmp_path):
         raytrain_lm.sample("nope", output_dir=tmp_path)
 
 
-def test_history_and_sample_of_a_trained_run(tiny_overrides, tmp_path):
-    summary = raytrain_lm.train(
-        raytrain_lm.load_config(
-            None,
-            [
-                *tiny_overrides,
-                "name=readback",
-                "scaling.num_workers=1",
-                "training.max_steps=4",
-                "training.eval_every=2",
-            ],
-        ),
-        sample=False,
-    )
-    runs = tmp_path / "runs"
-    history = raytrain_lm.metric_history("readback", output_dir=runs)
-    assert history["train/loss"].dropna().index.tolist() == [1, 2, 3, 4]
-    assert history["val/loss"].dropna().index.tolist() == [2, 4]
-    assert history.loc[4, "val/loss"] == pytest.approx(summary["val_loss"])
+def test_history_and_sample_of_a_trained_run(learned_run):
+    runs, summary = learned_run["output_dir"], learned_run["summary"]
+    history = raytrain_lm.metric_history("learns", output_dir=runs)
+    assert history["train/loss"].dropna().index.tolist() == list(range(1, 41))
+    assert history["val/loss"].dropna().index.tolist() == [20, 40]
+    assert history.loc[40, "val/loss"] == pytest.approx(summary["val_loss"])
 
-    text = raytrain_lm.sample("readback", prompt="def ", max_new_tokens=16, output_dir=runs)
+    text = raytrain_lm.sample("learns", prompt="def ", max_new_tokens=16, output_dir=runs)
     assert text.startswith("def ") and len(text) > len("def ")
     # the same seed, the same text; from the run directory as from its name
-    assert raytrain_lm.sample(runs / "readback", max_new_tokens=16) == text
+    assert raytrain_lm.sample(runs / "learns", max_new_tokens=16) == text
     # what `raytrain-lm generate` refuses, the API refuses too
     for bad in ({"max_new_tokens": -5}, {"top_k": 0}, {"temperature": -1.0}):
         with pytest.raises(UserError, match="must be at least"):
-            raytrain_lm.sample("readback", output_dir=runs, **bad)
+            raytrain_lm.sample("learns", output_dir=runs, **bad)

@@ -58,6 +58,22 @@ def test_a_local_store_that_cannot_exist_is_refused_at_once(tmp_path):
     assert not (tmp_path / "missing").exists()
 
 
+def test_a_run_whose_store_stays_unreachable_is_refused_leaving_nothing(
+    ray_session, tiny_overrides, tmp_path
+):
+    """Through `train` itself: one UserError naming the store, and no run directory (no
+    config.yaml, no tracking record) left behind to confuse the next attempt."""
+    overrides = [
+        *(o for o in tiny_overrides if not o.startswith("tracking.uri=")),
+        "tracking.uri=http://127.0.0.1:1",
+        "tracking.start_wait_s=1",
+        "name=unreachable",
+    ]
+    with pytest.raises(UserError, match="tracking store http://127.0.0.1:1 unreachable"):
+        raytrain_lm.train(load_config(None, overrides), sample=False)
+    assert not (tmp_path / "runs" / "unreachable").exists()
+
+
 @pytest.fixture
 def server(mlflow_server):
     """The session's server (conftest.py), running again after the test whatever happened."""

@@ -34,19 +34,11 @@ def _output_dir(overrides: list[str]) -> str:
     return next(o.split("=", 1)[1] for o in overrides if o.startswith("output_dir="))
 
 
-def test_two_worker_run_learns_and_is_tracked(ray_session, tiny_overrides, tmp_path):
-    overrides = [
-        *tiny_overrides,
-        "name=learns",
-        "training.max_steps=40",
-        "training.eval_every=20",
-        "checkpoint.every_steps=20",
-        "optim.lr=3e-3",
-    ]
-    summary = _run(overrides)
+def test_two_worker_run_learns_and_is_tracked(learned_run):
+    summary, overrides = learned_run["summary"], learned_run["overrides"]
     assert summary["steps"] == 40 and summary["tokens"] == 40 * 8 * 32
-    assert summary["tokens_per_s"] > 0 and summary["wall_s"] > 0
-    run_dir = tmp_path / "runs" / "learns"
+    assert summary["tokens_per_s"] > 0 and summary["wall_s"] > 0 and not summary["stopped"]
+    run_dir = learned_run["output_dir"] / "learns"
     assert json.loads((run_dir / "summary.json").read_text()) == summary
 
     uri = _uri(overrides)
@@ -78,8 +70,48 @@ def test_two_worker_run_learns_and_is_tracked(ray_session, tiny_overrides, tmp_p
 
     from raytrain_lm.generate import resolve_checkpoint, sample
 
-    text = sample(resolve_checkpoint("learns", str(tmp_path / "runs")), "The ", 30)
+    text = sample(resolve_checkpoint("learns", str(learned_run["output_dir"])), "The ", 30)
     assert text.startswith("The ") and len(text) > 4
+
+
+def test_a_run_that_cannot_resume_faithfully_is_refused(learned_run, tmp_path):
+    """On a copy of a finished run: a changed model is refused; checkpoints whose weights
+    were altered in place (sizes unchanged) make the worker refuse to start from step 0, in
+    one line; weights cut short leave no complete checkpoint, refused before anything
+    starts."""
+    import shutil
+
+    from raytrain_lm.errors import UserError
+    from raytrain_lm.trainer.checkpoint import complete_checkpoints
+
+    run_dir = tmp_path / "runs" / "refuse"
+    shutil.copytree(learned_run["output_dir"] / "learns", run_dir)
+    (run_dir / "tracking.json").unlink()  # its own MLflow run, not the original's
+    overrides = [
+        *(o for o in learned_run["overrides"] if not o.startswith(("output_dir=", "name="))),
+        f"output_dir={tmp_path / 'runs'}",
+        "name=refuse",
+        "training.max_steps=44",
+        "fault.max_failures=0",
+    ]
+    with pytest.raises(UserError, match="exists with model.n_layer=2, now 3"):
+        _run([*overrides, "model.n_layer=3"])
+
+    checkpoints = complete_checkpoints(run_dir)
+    assert len(checkpoints) == 2
+    for checkpoint in checkpoints:
+        weights = checkpoint / "model.safetensors"
+        weights.write_bytes(bytes(b ^ 0xFF for b in weights.read_bytes()))
+    with pytest.raises(Exception) as raised:
+        _run(overrides)
+    assert "none can be restored; refusing to start from step 0" in str(
+        find_user_error(raised.value)
+    )
+    for checkpoint in checkpoints:
+        with open(checkpoint / "model.safetensors", "r+b") as f:
+            f.truncate(100)
+    with pytest.raises(UserError, match="none is complete; refusing to start from step 0"):
+        _run(overrides)
 
 
 def test_ddp_equivalence_across_world_sizes(ray_session, tiny_overrides):
@@ -104,14 +136,22 @@ def test_ddp_equivalence_across_world_sizes(ray_session, tiny_overrides):
 
 
 def test_resume_is_bit_for_bit(ray_session, tiny_overrides, tmp_path, monkeypatch):
-    """Stopped after step 5, then resumed; on the way rank 0 is SIGKILLed half-way through
-    writing the step-8 checkpoint, and a planted partial checkpoint (marker present, model
-    file cut short) sits newest on disk. The run restarts from step 5, never loads a partial
-    checkpoint, and ends bit-identical to an uninterrupted run: same weights, same losses at
-    every step, every sequence once, one MLflow run."""
+    """Stopped on request a few steps in (SIGTERM to the driver, what `raytrain-lm stop` and
+    `ray job stop` send), far from a periodic checkpoint: the workers checkpoint at the next
+    step and the run ends, saying so. Resumed; on the way rank 0 is SIGKILLed half-way
+    through writing the step-8 checkpoint, and a planted partial checkpoint (marker present,
+    model file cut short) sits newest on disk. The run restarts from the stop's checkpoint,
+    never loads a partial one, and ends bit-identical to an uninterrupted run: same weights,
+    same losses at every step, every sequence once, one MLflow run."""
+    import os
+    import signal
+    import threading
+    import time
+
     from raytrain_lm.data.ledger import read_ledger
     from raytrain_lm.trainer import faults
     from raytrain_lm.trainer.checkpoint import complete_checkpoints
+    from raytrain_lm.trainer.goodput import Heartbeat, read_events
 
     common = [
         *tiny_overrides,
@@ -122,9 +162,26 @@ def test_resume_is_bit_for_bit(ray_session, tiny_overrides, tmp_path, monkeypatc
         "training.ledger=true",
     ]
     straight = _run([*common, "name=straight"])
-    first = _run([*common, "name=resumed", "training.stop_after_step=5"])
-    assert first["steps"] == 5
     run_dir = tmp_path / "runs" / "resumed"
+
+    def stop_after_two_steps() -> None:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            beat = Heartbeat.read(run_dir)
+            if beat is not None and beat.step >= 2:
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+            time.sleep(0.05)
+
+    monkeypatch.setenv(faults.ENV_VAR, "slow-steps:seconds=0.3")
+    threading.Thread(target=stop_after_two_steps, daemon=True).start()
+    first = _run([*common, "name=resumed", "fault.preemption_check_s=0.3"])
+    assert first["stopped"] and 2 <= first["steps"] < 8, first
+    (stop,) = [e for e in read_events(run_dir) if e["event"] == "stop"]
+    assert stop["step"] == first["steps"]  # the checkpoint is the stop's own step
+    assert not (run_dir / "STOP").exists()
+    stopped_at = first["steps"]
+
     partial = run_dir / "checkpoint_9999-12-31_23-59-59.000000"
     partial.mkdir()
     for item in complete_checkpoints(run_dir)[-1].iterdir():
@@ -137,10 +194,13 @@ def test_resume_is_bit_for_bit(ray_session, tiny_overrides, tmp_path, monkeypatc
     resumed = _run([*common, "name=resumed"])
     assert (run_dir / "fault-fired-kill-in-checkpoint-8-0").exists()
     assert resumed["steps"] == 12 and resumed["mlflow_run_id"] == first["mlflow_run_id"]
+    assert not resumed["stopped"]
     assert resumed["goodput"]["restarts"] >= 2  # the resume, and the restart after the kill
+    restored = [e["restored_step"] for e in read_events(run_dir) if e["event"] == "segment_start"]
+    assert restored == [0, stopped_at, stopped_at], restored  # nothing lost to the stop
 
     uri = _uri(common)
-    # steps 6-8, trained again after the kill, logged the same values twice
+    # the steps after the stop, trained again after the kill, logged the same values twice
     assert sorted(set(_history(resumed, uri))) == _history(straight, uri)
     a = load_file(str(Path(straight["checkpoint"]) / "model.safetensors"))
     b = load_file(str(Path(resumed["checkpoint"]) / "model.safetensors"))
@@ -152,48 +212,14 @@ def test_resume_is_bit_for_bit(ray_session, tiny_overrides, tmp_path, monkeypatc
     assert consumed.tolist() == read_ledger(tmp_path / "runs" / "straight").tolist()
 
 
-def test_changed_model_on_resume_is_refused(ray_session, tiny_overrides):
-    from raytrain_lm.errors import UserError
-
-    overrides = [
-        *tiny_overrides,
-        "name=refuse",
-        "training.max_steps=2",
-        "training.eval_every=2",
-        "checkpoint.every_steps=2",
-    ]
-    _run(overrides)
-    with pytest.raises(UserError, match="exists with model.n_layer=2, now 3"):
-        _run([*overrides, "model.n_layer=3"])
-
-    # Weights altered in place (sizes unchanged): the worker finds no checkpoint that
-    # verifies and refuses to start from step 0, in one line.
-    from raytrain_lm.trainer.checkpoint import complete_checkpoints
-
-    run_dir = Path(_output_dir(overrides)) / "refuse"
-    (checkpoint,) = complete_checkpoints(run_dir)
-    weights = checkpoint / "model.safetensors"
-    weights.write_bytes(bytes(b ^ 0xFF for b in weights.read_bytes()))
-    longer = [*overrides, "training.max_steps=4", "fault.max_failures=0"]
-    with pytest.raises(Exception) as raised:
-        _run(longer)
-    assert "none can be restored; refusing to start from step 0" in str(
-        find_user_error(raised.value)
-    )
-    # Weights cut short: no checkpoint is complete any more; refused before anything starts.
-    with open(weights, "r+b") as f:
-        f.truncate(100)
-    with pytest.raises(UserError, match="none is complete; refusing to start from step 0"):
-        _run(longer)
-
-
 def test_restarts_at_other_world_sizes_match_an_uninterrupted_run(
     ray_session, tiny_overrides, tmp_path
 ):
-    """Stopped and restarted from checkpoints with a different number of workers each time,
-    2 -> 3 -> 1 and (f.) 4 -> 2 -> 4: the trained sequence positions are an uninterrupted
-    run's, each exactly once; the world size is logged at each (re)start; and the val loss
-    is the uninterrupted run's within noise (fp32)."""
+    """Stopped (training.stop_after_step) and restarted from checkpoints with a different
+    number of workers each time, 4 -> 2 -> 3 -> 1: a shrink, a grow and a shrink again. The
+    trained sequence positions are an uninterrupted 4-worker run's, each exactly once; the
+    world size is logged at each (re)start; and the val loss is the uninterrupted run's within
+    noise (fp32)."""
     from raytrain_lm.data.ledger import read_ledger
 
     steps, batch = 12, 12  # a global batch every world size from 1 to 4 divides
@@ -202,7 +228,7 @@ def test_restarts_at_other_world_sizes_match_an_uninterrupted_run(
         f"training.global_batch_size={batch}",
         f"training.max_steps={steps}",
         f"training.eval_every={steps}",
-        "checkpoint.every_steps=4",
+        "checkpoint.every_steps=3",
         "training.ledger=true",
         "training.precision=fp32",
         "optim.lr=3e-3",
@@ -210,73 +236,16 @@ def test_restarts_at_other_world_sizes_match_an_uninterrupted_run(
     ]
     straight = _run([*common, "name=uninterrupted", "scaling.num_workers=4"])
     assert read_ledger(tmp_path / "runs" / "uninterrupted").tolist() == list(range(steps * batch))
+    sizes, stops = (4, 2, 3, 1), (3, 6, 9, None)
+    for workers, stop in zip(sizes, stops, strict=True):
+        extra = [f"training.stop_after_step={stop}"] if stop else []
+        summary = _run([*common, "name=resized", f"scaling.num_workers={workers}", *extra])
+        assert summary["steps"] == (stop or steps)
+    assert summary["tokens"] == straight["tokens"] == steps * batch * 32
+    consumed = read_ledger(tmp_path / "runs" / "resized")
+    assert consumed.tolist() == list(range(steps * batch))
     client = MlflowClient(tracking_uri=_uri(common))
-    for sizes in ((2, 3, 1), (4, 2, 4)):
-        name = "resized-" + "-".join(map(str, sizes))
-        for workers, stop in zip(sizes, (4, 8, None), strict=True):
-            extra = [f"training.stop_after_step={stop}"] if stop else []
-            summary = _run([*common, f"name={name}", f"scaling.num_workers={workers}", *extra])
-            assert summary["steps"] == (stop or steps)
-        assert summary["tokens"] == straight["tokens"] == steps * batch * 32
-        consumed = read_ledger(tmp_path / "runs" / name)
-        assert consumed.tolist() == list(range(steps * batch)), sizes
-        logged = client.get_metric_history(summary["mlflow_run_id"], "world_size")
-        assert sorted((m.step, m.value) for m in logged) == [
-            (0, sizes[0]),
-            (4, sizes[1]),
-            (8, sizes[2]),
-        ]
-        assert summary["val_loss"] == pytest.approx(straight["val_loss"], abs=1e-3), sizes
-        assert summary["goodput"]["restarts"] == 2
-
-
-def test_a_stop_request_ends_the_run_at_a_step_with_a_checkpoint(
-    ray_session, tiny_overrides, tmp_path, monkeypatch
-):
-    """SIGTERM to the driver (what `raytrain-lm stop` and `ray job stop` send) mid-run, far
-    from any periodic checkpoint: the workers checkpoint at the next step and end, the run
-    says it stopped, and the same command later resumes from exactly there: no step lost,
-    every sequence once."""
-    import os
-    import signal
-    import threading
-    import time
-
-    from raytrain_lm.data.ledger import read_ledger
-    from raytrain_lm.trainer import faults
-    from raytrain_lm.trainer.goodput import Heartbeat, read_events
-
-    steps = 40
-    overrides = [
-        *tiny_overrides,
-        "name=stopped",
-        f"training.max_steps={steps}",
-        f"training.eval_every={steps}",
-        f"checkpoint.every_steps={steps}",
-        "training.ledger=true",
-        "fault.preemption_check_s=0.5",
-    ]
-    run_dir = tmp_path / "runs" / "stopped"
-
-    def stop_after_a_few_steps() -> None:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            beat = Heartbeat.read(run_dir)
-            if beat is not None and beat.step >= 5:
-                os.kill(os.getpid(), signal.SIGTERM)
-                return
-            time.sleep(0.1)
-
-    monkeypatch.setenv(faults.ENV_VAR, "slow-steps:seconds=0.2")
-    threading.Thread(target=stop_after_a_few_steps, daemon=True).start()
-    stopped = _run(overrides)
-    assert stopped["stopped"] and 5 <= stopped["steps"] < steps
-    (stop,) = [e for e in read_events(run_dir) if e["event"] == "stop"]
-    assert stop["step"] == stopped["steps"]  # the checkpoint is the stop's own step
-    assert not (run_dir / "STOP").exists()
-
-    monkeypatch.delenv(faults.ENV_VAR)
-    finished = _run(overrides)
-    assert finished["steps"] == steps and not finished["stopped"]
-    assert finished["goodput"]["steps_recomputed"] == 0
-    assert read_ledger(run_dir).tolist() == list(range(steps * 8))
+    logged = client.get_metric_history(summary["mlflow_run_id"], "world_size")
+    assert sorted((m.step, m.value) for m in logged) == [(0, 4), (3, 2), (6, 3), (9, 1)]
+    assert summary["val_loss"] == pytest.approx(straight["val_loss"], abs=1e-3)
+    assert summary["goodput"]["restarts"] == 3

@@ -74,11 +74,10 @@ def train(
     _check_writable(storage)
     _check_resume_compatible(cfg, run_dir, may_change)
     check_inputs(cfg.data)  # what can be refused without Ray, before starting it
-    ensure_ray(cfg.scaling)  # sized for training, before prepare's Ray Data job would start one
-    # Before any Ray Data or Ray Train work: both create these cluster-wide actors otherwise.
-    keep_gpu_nodes_releasable()
-    create_capacity_view()
+    if not cfg.data.prepared:
+        _connect(cfg)  # sized for training, before prepare's Ray Data job would start a Ray
     data_dir = _prepared_data(cfg)
+    _connect(cfg)
 
     previous = latest_complete_checkpoint(run_dir.path)
     checkpointed = ever_checkpointed(run_dir.path)
@@ -127,6 +126,14 @@ def train(
                 tracker.finish("KILLED" if _interrupted() else "FAILED")
             raise
     return _publish(spec, tracker, started, stopped)
+
+
+def _connect(cfg: RunConfig) -> None:
+    """Ray for this run, with the cluster-wide actors Ray Data and Ray Train would otherwise
+    create on their own terms made first (idempotent)."""
+    ensure_ray(cfg.scaling)
+    keep_gpu_nodes_releasable()
+    create_capacity_view()
 
 
 def _prepared_data(cfg: RunConfig) -> str:
