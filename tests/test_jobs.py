@@ -24,6 +24,8 @@ from pathlib import Path
 import pytest
 from conftest import TINY
 
+from raytrain_lm.trainer.stopping import STOP_ACKNOWLEDGED
+
 pytestmark = [pytest.mark.cluster, pytest.mark.own_ray]
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -193,6 +195,31 @@ def test_run_asking_for_a100_scales_up_lands_there_and_scales_down(local_cluster
     assert _state(url, ALIVE_WORKER_TYPES) == [], "the A100 node did not scale down when idle"
 
 
+STUCK_DRIVER = (
+    'python -c "import signal, time; '
+    "signal.signal(signal.SIGTERM, lambda *_: print('[raytrain-lm] SIGTERM: "
+    + STOP_ACKNOWLEDGED
+    + "', flush=True)); print('ready', flush=True); time.sleep(600)\""
+)
+
+
+def _submit_raw(url: str, job: str, entrypoint: str) -> None:
+    """Submits `entrypoint` as a job, with the stop grace period `raytrain-lm submit` sets."""
+    script = (
+        "from ray.job_submission import JobSubmissionClient\n"
+        f"JobSubmissionClient({url!r}).submit_job(entrypoint={entrypoint!r}, "
+        f"submission_id={job!r}, runtime_env={{'env_vars': {{'RAY_JOB_STOP_WAIT_TIME_S': '150'}}}})"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        env=_env(RAY_AUTH_MODE="token"),
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 ALIVE_CPU_NODES = """
 nodes = list_nodes(address=dashboard, detail=True, limit=100)
 result = sum(1 for n in nodes if n.state == "ALIVE" and "cpu_node" in n.resources_total)
@@ -226,7 +253,7 @@ def test_demo_config_gets_cpu_nodes_and_a_stop_checkpoints_then_frees_them(local
 
     `raytrain-lm stop` mid-run: the run checkpoints at its next step and ends (STOPPED), and the
     node leaves on the normal idle timeout, not when Ray Train's resource request expires
-    (3 minutes). A second job stopped twice ends at once, without that checkpoint."""
+    (3 minutes). A job whose driver does not stop when asked ends at once on a second stop."""
     url = local_cluster["dashboard"]
     sets = [
         "experiments/demo.yaml",
@@ -269,14 +296,12 @@ def test_demo_config_gets_cpu_nodes_and_a_stop_checkpoints_then_frees_them(local
         time.sleep(3)
     assert _state(url, ALIVE_CPU_NODES) == 0, "the CPU nodes stayed after the stop"
 
-    # Rank 0 looks for the stop only every 60 s here: the graceful path would take that long.
-    forced = [*sets[:-2], "--set", "name=demo-cpu-forced", "--set", "fault.preemption_check_s=60"]
-    assert _cli("submit", *forced, *args, "--job-id", "forced").returncode == 0
-    _wait_for_log(url, "forced", "/100000 | loss", 300)
-    assert "stopping:" in _cli("stop", "forced", "--address", url).stdout
-    _wait_for_log(url, "forced", "stopping at the next step with a checkpoint", 60)
-    second = _cli("stop", "forced", "--address", url)
+    # A driver whose graceful stop does not come (it only says it is stopping): a second
+    # `stop` ends it at once, well before the supervisor's grace period (150 s here).
+    _submit_raw(url, "stuck", STUCK_DRIVER)
+    _wait_for_log(url, "stuck", "ready", 120)
+    assert "stopping:" in _cli("stop", "stuck", "--address", url).stdout
+    _wait_for_log(url, "stuck", STOP_ACKNOWLEDGED, 60)
+    second = _cli("stop", "stuck", "--address", url)
     assert "forced: ended at once" in second.stdout, second.stdout + second.stderr
-    # Ended by the kill, not by the graceful path or Ray's own grace period after the signal.
-    assert _wait_for_status(url, "forced", "STOPPED", 60) < 30
-    assert "stopped at step" not in _cli("logs", "forced", "--address", url).stdout
+    assert _wait_for_status(url, "stuck", "STOPPED", 60) < 30

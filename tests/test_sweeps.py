@@ -219,120 +219,48 @@ def test_a_sweep_that_starts_its_own_ray_leaves_room_for_its_trial(tmp_path):
 # ------------------------------------------------------------------ sweeps on the session Ray
 
 
-def test_asha_sweep_on_a_tracking_server(ray_session, tiny_overrides, tmp_path, mlflow_server):
-    """3 trials, ASHA: each trial is one child run of the sweep's run, complete."""
-    overrides = [o for o in tiny_overrides if not o.startswith("tracking.uri=")]
-    path = _write_sweep(
-        tmp_path,
-        [*overrides, f"tracking.uri={mlflow_server.uri}", "tracking.experiment=sweeps"],
-        name="asha3",
-        num_samples=3,
-        seed=0,
-    )
-    ctrl_c = signal.getsignal(signal.SIGINT)
-    summary = raytrain_lm.sweep(path)
-    assert summary["trials"] == 3 and summary["errored"] == 0 and not summary["interrupted"]
-    assert signal.getsignal(signal.SIGINT) is ctrl_c  # Tune's handler does not outlive it
-
-    client, children, parent = _children(mlflow_server.uri, Path(summary["directory"]))
-    assert parent.info.status == "FINISHED" and parent.data.tags["raytrain_lm.sweep"] == "asha3"
-    assert "best/val_loss" in parent.data.metrics
-    assert "report.png" in {a.path for a in client.list_artifacts(parent.info.run_id)}
-    trial_ids = [r.data.tags[TAG_TRIAL] for r in children]
-    assert len(children) == 3 and len(set(trial_ids)) == 3  # each trial exactly once
-    all_runs = client.search_runs([parent.info.experiment_id], max_results=100)
-    assert len(all_runs) == 4  # the parent and its 3 children, nothing else
-    for run in children:
-        assert run.info.status == "FINISHED", run.info
-        assert run.info.run_name == f"asha3-{run.data.tags[TAG_TRIAL]}"
-        tags, params = run.data.tags, run.data.params
-        assert tags["mlflow.parentRunId"] == parent.info.run_id
-        assert tags["accelerator_type"] == "cpu" and tags["spot"] == "false"
-        assert tags["ray.job_id"] and len(tags["mlflow.source.git.commit"]) == 40
-        assert 1e-3 <= float(params["optim.lr"]) <= 1e-2
-        assert params["model.n_embd"] in ("32", "48") and params["model.n_layer"] == "2"
-        last = _steps(client, run.info.run_id)[-1]
-        assert _steps(client, run.info.run_id) == list(range(1, last + 1))  # history, no gaps
-        assert [s for s in _steps(client, run.info.run_id, "val/loss")] == list(
-            range(2, last + 1, 2)
-        )
-        artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
-        assert {"config.yaml", "tokenizer.json", "loss_curve.png"} <= artifacts, artifacts
-        stopped_early = tags.get("raytrain_lm.stopped_early") == "true"
-        assert stopped_early or last == 6
-        if not stopped_early:
-            final = {a.path for a in client.list_artifacts(run.info.run_id, "final")}
-            assert "final/model.safetensors" in final
-    ranked = [r["val_loss"] for r in summary["ranked"]]
-    assert ranked == sorted(ranked) and len(ranked) == 3
-
-    out = tmp_path / "report.png"
-    code = cli.run(
-        ["sweep", "report", "asha3", "--output-dir", str(tmp_path / "runs"), "--out", str(out)]
-    )
-    assert code == 0 and out.stat().st_size > 10_000
-
-
 def _starts(trials_dir: Path, run_name: str) -> int:
     file = trials_dir / f"{run_name}.starts"
     return len(file.read_text().splitlines()) if file.is_file() else 0
 
 
-def test_interrupted_sweep_restores_without_duplicates(ray_session, tiny_overrides, tmp_path):
-    """SIGINT the sweep driver while its second (last) trial trains, then run the sweep again:
-    the finished trial is not rerun, the interrupted one resumes from its checkpoint, and
-    every trial has exactly one MLflow run, none left RUNNING."""
-    import ray
-
-    path = _write_sweep(
-        tmp_path,
-        [*tiny_overrides, "training.max_steps=6"],
-        name="interrupted",
-        num_samples=2,
-        max_concurrent_trials=1,
-        scheduler="fifo",
-    )
-    uri = next(o.split("=", 1)[1] for o in tiny_overrides if o.startswith("tracking.uri="))
-    env = {
-        **os.environ,
-        "RAY_ADDRESS": ray.get_runtime_context().gcs_address,
-        "RAYTRAIN_LM_FAULT": "slow-steps:seconds=0.8",  # time to interrupt mid-trial
-    }
+def _interrupt_once_a_trial_finished_and_another_trains(
+    path: Path, uri: str, env: dict[str, str]
+) -> dict[str, int]:
+    """Runs `raytrain-lm sweep path` and SIGINTs it while one trial has finished and another
+    is training past its first checkpoint; returns the finished trials' MLflow end times."""
     driver = subprocess.Popen(
         [sys.executable, "-m", "raytrain_lm.cli", "sweep", str(path)],
         env=env,
-        cwd=tmp_path,
+        cwd=path.parent,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
-    sweep_dir = tmp_path / "runs" / "interrupted"
+    sweep_dir = path.parent / "runs" / path.stem
     trials_dir = sweep_dir / TRIALS_DIR
-    finished_before: dict[str, int] = {}
+    finished: dict[str, int] = {}
     try:
         deadline = time.time() + 300
-        while time.time() < deadline:
+        while time.time() < deadline and not finished:
             assert driver.poll() is None, driver.stdout.read().decode()[-4000:]
-            if (sweep_dir / SWEEP_FILE).is_file() and json.loads(
-                (sweep_dir / SWEEP_FILE).read_text()
-            ).get("parent_run_id"):
-                client, children, _ = _children(uri, sweep_dir)
-                done = {
-                    r.info.run_name: r.info.end_time
-                    for r in children
-                    if r.info.status == "FINISHED"
-                }
+            record = sweep_dir / SWEEP_FILE
+            if record.is_file() and json.loads(record.read_text()).get("parent_run_id"):
+                _, children, _ = _children(uri, sweep_dir)
                 running = [
                     r
                     for r in children
                     if r.info.status == "RUNNING"
                     and list((trials_dir / r.info.run_name).glob("checkpoint_*/COMPLETE*"))
                 ]
-                if done and running:
-                    finished_before = done
-                    break
+                if running:
+                    finished = {
+                        r.info.run_name: r.info.end_time
+                        for r in children
+                        if r.info.status == "FINISHED"
+                    }
             time.sleep(1)
-        assert finished_before, "never saw a finished trial next to a running one"
+        assert finished, "never saw a finished trial next to a running one"
         driver.send_signal(signal.SIGINT)
         output = driver.communicate(timeout=180)[0].decode()
     finally:
@@ -341,30 +269,90 @@ def test_interrupted_sweep_restores_without_duplicates(ray_session, tiny_overrid
             driver.wait()
     assert driver.returncode == 130, output[-4000:]
     assert "run the same command again to resume" in output
+    return finished
 
-    _, children, _ = _children(uri, sweep_dir)
+
+def test_asha_sweep_interrupted_then_restored_on_a_tracking_server(
+    ray_session, tiny_overrides, tmp_path, mlflow_server
+):
+    """3 trials, ASHA, against a real MLflow server. The driver (`raytrain-lm sweep`) is
+    interrupted (SIGINT) while one trial has finished and another trains; then the same sweep
+    runs again: the finished trial is not rerun, the interrupted one resumes from its
+    checkpoint, the last one runs. In the end each trial is one complete child run of the
+    sweep's run, none left RUNNING, and `sweep report` draws the sweep."""
+    overrides = [o for o in tiny_overrides if not o.startswith("tracking.uri=")]
+    path = _write_sweep(
+        tmp_path,
+        [*overrides, f"tracking.uri={mlflow_server.uri}", "tracking.experiment=sweeps"],
+        name="asha3",
+        num_samples=3,
+        max_concurrent_trials=1,
+        seed=0,
+    )
+    env = {
+        **os.environ,
+        "RAY_ADDRESS": ray_session.get_runtime_context().gcs_address,
+        "RAYTRAIN_LM_FAULT": "slow-steps:seconds=0.8",  # time to interrupt mid-trial
+    }
+    finished_before = _interrupt_once_a_trial_finished_and_another_trains(
+        path, mlflow_server.uri, env
+    )
+    sweep_dir = tmp_path / "runs" / "asha3"
+    _, children, _ = _children(mlflow_server.uri, sweep_dir)
     assert not [r for r in children if r.info.status == "RUNNING"]  # interrupted runs: KILLED
 
+    ctrl_c = signal.getsignal(signal.SIGINT)
     summary = raytrain_lm.sweep(path)  # the same command again: restores
-    assert summary["trials"] == 2 and not summary["interrupted"] and summary["errored"] == 0
-    client, children, parent = _children(uri, sweep_dir)
-    assert parent.info.status == "FINISHED"
-    assert len(children) == 2 and len({r.data.tags[TAG_TRIAL] for r in children}) == 2
-    assert [r.info.status for r in children] == ["FINISHED"] * 2
+    assert summary["trials"] == 3 and summary["errored"] == 0 and not summary["interrupted"]
+    assert signal.getsignal(signal.SIGINT) is ctrl_c  # Tune's handler does not outlive it
+
+    client, children, parent = _children(mlflow_server.uri, sweep_dir)
+    assert parent.info.status == "FINISHED" and parent.data.tags["raytrain_lm.sweep"] == "asha3"
+    assert "best/val_loss" in parent.data.metrics
+    assert "report.png" in {a.path for a in client.list_artifacts(parent.info.run_id)}
+    trial_ids = [r.data.tags[TAG_TRIAL] for r in children]
+    assert len(children) == 3 and len(set(trial_ids)) == 3  # each trial exactly once
+    all_runs = client.search_runs([parent.info.experiment_id], max_results=100)
+    assert len(all_runs) == 4  # the parent and its 3 children, nothing else
+    trials_dir = sweep_dir / TRIALS_DIR
     resumed = 0
     for run in children:
         name = run.info.run_name
-        assert _steps(client, run.info.run_id) == list(range(1, 7))
+        assert run.info.status == "FINISHED", run.info
+        assert name == f"asha3-{run.data.tags[TAG_TRIAL]}"
+        tags, params = run.data.tags, run.data.params
+        assert tags["mlflow.parentRunId"] == parent.info.run_id
+        assert tags["accelerator_type"] == "cpu" and tags["spot"] == "false"
+        assert tags["ray.job_id"] and len(tags["mlflow.source.git.commit"]) == 40
+        assert 1e-3 <= float(params["optim.lr"]) <= 1e-2
+        assert params["model.n_embd"] in ("32", "48") and params["model.n_layer"] == "2"
+        last = _steps(client, run.info.run_id)[-1]
+        assert _steps(client, run.info.run_id) == list(range(1, last + 1))  # history, no gaps
+        assert _steps(client, run.info.run_id, "val/loss") == list(range(2, last + 1, 2))
+        artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+        assert {"config.yaml", "tokenizer.json", "loss_curve.png"} <= artifacts, artifacts
+        stopped_early = tags.get("raytrain_lm.stopped_early") == "true"
+        assert stopped_early or last == 6
+        if not stopped_early:
+            final = {a.path for a in client.list_artifacts(run.info.run_id, "final")}
+            assert "final/model.safetensors" in final
         if name in finished_before:
             assert _starts(trials_dir, name) == 1, name  # not rerun
             assert run.info.end_time == finished_before[name]
-        else:
+        elif _starts(trials_dir, name) == 2:  # the interrupted trial, started again
             events = read_events(trials_dir / name)
             restored = [e["restored_step"] for e in events if e["event"] == "segment_start"]
-            assert _starts(trials_dir, name) == 2, name  # the interrupted trial, started again
             assert restored[0] == 0 and restored[-1] > 0, restored  # from its checkpoint
             resumed += 1
     assert resumed == 1
+    ranked = [r["val_loss"] for r in summary["ranked"]]
+    assert ranked == sorted(ranked) and len(ranked) == 3
+
+    out = tmp_path / "report.png"
+    code = cli.run(
+        ["sweep", "report", "asha3", "--output-dir", str(tmp_path / "runs"), "--out", str(out)]
+    )
+    assert code == 0 and out.stat().st_size > 10_000
 
 
 def test_a_user_error_in_a_trial_reaches_the_caller_alone(ray_session, tiny_overrides, tmp_path):

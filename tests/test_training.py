@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import TINY
 from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
 
@@ -114,25 +115,45 @@ def test_a_run_that_cannot_resume_faithfully_is_refused(learned_run, tmp_path):
         _run(overrides)
 
 
-def test_ddp_equivalence_across_world_sizes(ray_session, tiny_overrides):
-    """1 worker x 4 accumulation steps == 2 x 2 == 4 x 1, in fp32, step for step."""
-    curves = {}
-    for workers in (1, 2, 4):
-        overrides = [
-            *tiny_overrides,
-            f"name=ddp-eq-{workers}",
-            f"scaling.num_workers={workers}",
-            "training.micro_batch_size=2",
-            "training.max_steps=10",
-            "training.eval_every=10",
-            "training.precision=fp32",
-            "checkpoint.every_steps=10",
-        ]
-        curves[workers] = _history(_run(overrides), _uri(overrides))
-    assert [s for s, _ in curves[1]] == list(range(1, 11))
-    for workers in (2, 4):
-        for (step, ref), (_, got) in zip(curves[1], curves[workers], strict=True):
-            assert got == pytest.approx(ref, abs=1e-5), (workers, step)
+STEPS, BATCH = 12, 12  # a global batch every world size from 1 to 4 divides
+
+
+@pytest.fixture(scope="module")
+def world_size_runs(ray_session, tmp_path_factory, shared_dirs) -> dict:
+    """The settings the world-size tests share, and an uninterrupted 4-worker run of them
+    (4 workers x 3 accumulation steps of 1 sequence) that both compare against."""
+    output_dir = tmp_path_factory.mktemp("world-sizes") / "runs"
+    common = [
+        *TINY,
+        f"output_dir={output_dir}",
+        f"data.cache_dir={shared_dirs['data']}",
+        f"tracking.uri=sqlite:///{shared_dirs['mlflow']}",
+        f"training.global_batch_size={BATCH}",
+        "training.micro_batch_size=1",
+        f"training.max_steps={STEPS}",
+        f"training.eval_every={STEPS}",
+        "checkpoint.every_steps=3",
+        "training.ledger=true",
+        "training.precision=fp32",
+        "optim.lr=3e-3",
+        "data.shuffle_window_shards=1",
+    ]
+    reference = _run([*common, "name=uninterrupted", "scaling.num_workers=4"])
+    return {"common": common, "reference": reference, "output_dir": output_dir}
+
+
+def test_ddp_equivalence_across_world_sizes(world_size_runs):
+    """1 worker x 12 accumulation steps == 2 x 6 == 4 x 3, in fp32, step for step."""
+    common, reference = world_size_runs["common"], world_size_runs["reference"]
+    uri = _uri(common)
+    expected = _history(reference, uri)
+    assert [s for s, _ in expected] == list(range(1, STEPS + 1))
+    for workers in (1, 2):
+        got = _history(
+            _run([*common, f"name=ddp-eq-{workers}", f"scaling.num_workers={workers}"]), uri
+        )
+        for (step, ref), (_, value) in zip(expected, got, strict=True):
+            assert value == pytest.approx(ref, abs=1e-5), (workers, step)
 
 
 def test_resume_is_bit_for_bit(ray_session, tiny_overrides, tmp_path, monkeypatch):
@@ -212,38 +233,24 @@ def test_resume_is_bit_for_bit(ray_session, tiny_overrides, tmp_path, monkeypatc
     assert consumed.tolist() == read_ledger(tmp_path / "runs" / "straight").tolist()
 
 
-def test_restarts_at_other_world_sizes_match_an_uninterrupted_run(
-    ray_session, tiny_overrides, tmp_path
-):
+def test_restarts_at_other_world_sizes_match_an_uninterrupted_run(world_size_runs):
     """Stopped (training.stop_after_step) and restarted from checkpoints with a different
     number of workers each time, 4 -> 2 -> 3 -> 1: a shrink, a grow and a shrink again. The
-    trained sequence positions are an uninterrupted 4-worker run's, each exactly once; the
+    trained sequence positions are the uninterrupted 4-worker run's, each exactly once; the
     world size is logged at each (re)start; and the val loss is the uninterrupted run's within
     noise (fp32)."""
     from raytrain_lm.data.ledger import read_ledger
 
-    steps, batch = 12, 12  # a global batch every world size from 1 to 4 divides
-    common = [
-        *tiny_overrides,
-        f"training.global_batch_size={batch}",
-        f"training.max_steps={steps}",
-        f"training.eval_every={steps}",
-        "checkpoint.every_steps=3",
-        "training.ledger=true",
-        "training.precision=fp32",
-        "optim.lr=3e-3",
-        "data.shuffle_window_shards=1",
-    ]
-    straight = _run([*common, "name=uninterrupted", "scaling.num_workers=4"])
-    assert read_ledger(tmp_path / "runs" / "uninterrupted").tolist() == list(range(steps * batch))
+    common, straight = world_size_runs["common"], world_size_runs["reference"]
+    runs = world_size_runs["output_dir"]
+    assert read_ledger(runs / "uninterrupted").tolist() == list(range(STEPS * BATCH))
     sizes, stops = (4, 2, 3, 1), (3, 6, 9, None)
     for workers, stop in zip(sizes, stops, strict=True):
         extra = [f"training.stop_after_step={stop}"] if stop else []
         summary = _run([*common, "name=resized", f"scaling.num_workers={workers}", *extra])
-        assert summary["steps"] == (stop or steps)
-    assert summary["tokens"] == straight["tokens"] == steps * batch * 32
-    consumed = read_ledger(tmp_path / "runs" / "resized")
-    assert consumed.tolist() == list(range(steps * batch))
+        assert summary["steps"] == (stop or STEPS)
+    assert summary["tokens"] == straight["tokens"] == STEPS * BATCH * 32
+    assert read_ledger(runs / "resized").tolist() == list(range(STEPS * BATCH))
     client = MlflowClient(tracking_uri=_uri(common))
     logged = client.get_metric_history(summary["mlflow_run_id"], "world_size")
     assert sorted((m.step, m.value) for m in logged) == [(0, 4), (3, 2), (6, 3), (9, 1)]
