@@ -27,8 +27,8 @@ demo: $(STAMP)
 # nodes and processes. Their output follows; the target fails if either process fails.
 ALONGSIDE := chaos or own_ray
 test: $(STAMP)
-	@$(VENV)/bin/pytest -q -p no:cacheprovider --durations=5 -m "$(ALONGSIDE)" > .tests-alongside.log 2>&1 & alongside=$$!; \
-	$(VENV)/bin/pytest -q --durations=5 -m "not ($(ALONGSIDE))"; rest=$$?; \
+	@$(VENV)/bin/pytest -q -p no:cacheprovider --durations=10 -m "$(ALONGSIDE)" > .tests-alongside.log 2>&1 & alongside=$$!; \
+	$(VENV)/bin/pytest -q --durations=10 -m "not ($(ALONGSIDE))"; rest=$$?; \
 	wait $$alongside; alongside_status=$$?; \
 	echo "----- tests with Rays of their own (pytest -m \"$(ALONGSIDE)\"), run alongside -----"; \
 	cat .tests-alongside.log; \
