@@ -9,10 +9,10 @@ TORCH_SPEC ?= torch==2.13.0
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
 	@# torch first and pinned, so the range in pyproject.toml never pulls a multi-GB CUDA build
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q --no-compile "$(TORCH_SPEC)"
+	@# --no-compile: modules are compiled when first imported, not all of Ray and MLflow now
+	$(PY) -m pip install -q --no-compile -e ".[dev]"
 	@touch $(STAMP)
 
 # Only set up .venv with the package and its dev tools (what `raytrain-lm cluster up` needs).

@@ -196,11 +196,12 @@ def test_run_asking_for_a100_scales_up_lands_there_and_scales_down(local_cluster
 
 
 # Says what our driver says when asked to stop, then does not stop. The words come from the
-# environment: `raytrain-lm stop` reads the job's log, which also echoes the command line.
+# environment, and its "ready!" is built at run time: the job's log, which `raytrain-lm stop`
+# reads, also echoes the command line.
 STUCK_DRIVER = (
     'python -c "import os, ray, signal, time; ray.init(); '
     "signal.signal(signal.SIGTERM, lambda *_: print(os.environ['ACK'], flush=True)); "
-    "print('ready', flush=True); time.sleep(600)\""
+    "print('ready' + '!', flush=True); time.sleep(600)\""
 )
 
 
@@ -301,7 +302,7 @@ def test_demo_config_gets_cpu_nodes_and_a_stop_checkpoints_then_frees_them(local
     # A driver whose graceful stop does not come (it only says it is stopping): a second
     # `stop` ends it at once, well before the supervisor's grace period (150 s here).
     _submit_raw(url, "stuck", STUCK_DRIVER)
-    _wait_for_log(url, "stuck", "ready", 120)
+    _wait_for_log(url, "stuck", "ready!", 120)  # not in the echoed command line
     assert "stopping:" in _cli("stop", "stuck", "--address", url).stdout
     _wait_for_log(url, "stuck", STOP_ACKNOWLEDGED, 60)
     second = _cli("stop", "stuck", "--address", url)

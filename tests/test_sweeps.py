@@ -292,7 +292,7 @@ def test_asha_sweep_interrupted_then_restored_on_a_tracking_server(
     env = {
         **os.environ,
         "RAY_ADDRESS": ray_session.get_runtime_context().gcs_address,
-        "RAYTRAIN_LM_FAULT": "slow-steps:seconds=0.8",  # time to interrupt mid-trial
+        "RAYTRAIN_LM_FAULT": "slow-steps:seconds=0.5",  # time to interrupt mid-trial
     }
     finished_before = _interrupt_once_a_trial_finished_and_another_trains(
         path, mlflow_server.uri, env

@@ -235,7 +235,7 @@ def test_resume_is_bit_for_bit(ray_session, tiny_overrides, tmp_path, monkeypatc
 
 def test_restarts_at_other_world_sizes_match_an_uninterrupted_run(world_size_runs):
     """Stopped (training.stop_after_step) and restarted from checkpoints with a different
-    number of workers each time, 4 -> 2 -> 3 -> 1: a shrink, a grow and a shrink again. The
+    number of workers each time, 4 -> 2 -> 3: a shrink, then a grow. The
     trained sequence positions are the uninterrupted 4-worker run's, each exactly once; the
     world size is logged at each (re)start; and the val loss is the uninterrupted run's within
     noise (fp32)."""
@@ -244,7 +244,7 @@ def test_restarts_at_other_world_sizes_match_an_uninterrupted_run(world_size_run
     common, straight = world_size_runs["common"], world_size_runs["reference"]
     runs = world_size_runs["output_dir"]
     assert read_ledger(runs / "uninterrupted").tolist() == list(range(STEPS * BATCH))
-    sizes, stops = (4, 2, 3, 1), (3, 6, 9, None)
+    sizes, stops = (4, 2, 3), (3, 6, None)
     for workers, stop in zip(sizes, stops, strict=True):
         extra = [f"training.stop_after_step={stop}"] if stop else []
         summary = _run([*common, "name=resized", f"scaling.num_workers={workers}", *extra])
@@ -253,6 +253,6 @@ def test_restarts_at_other_world_sizes_match_an_uninterrupted_run(world_size_run
     assert read_ledger(runs / "resized").tolist() == list(range(STEPS * BATCH))
     client = MlflowClient(tracking_uri=_uri(common))
     logged = client.get_metric_history(summary["mlflow_run_id"], "world_size")
-    assert sorted((m.step, m.value) for m in logged) == [(0, 4), (3, 2), (6, 3), (9, 1)]
+    assert sorted((m.step, m.value) for m in logged) == [(0, 4), (3, 2), (6, 3)]
     assert summary["val_loss"] == pytest.approx(straight["val_loss"], abs=1e-3)
-    assert summary["goodput"]["restarts"] == 3
+    assert summary["goodput"]["restarts"] == 2
