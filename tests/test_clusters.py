@@ -123,15 +123,19 @@ def test_cloud_configs_are_secure_by_default(name):
     assert config["file_mounts"]["~/.ray/auth_token"] == "~/.ray/auth_token"
     assert any("pip install" in c and "raytrain-lm" in c for c in config["setup_commands"])
     if name == "aws.yaml":
-        rules = config["provider"]["security_group"]["IpPermissions"]
-        assert [(r["FromPort"], r["ToPort"]) for r in rules] == [(22, 22)]
+        # Ray adds SSH and the group's own members; anything listed here would come on top.
+        rules = config["provider"]["security_group"].get("IpPermissions", [])
+        assert all((r["FromPort"], r["ToPort"]) == (22, 22) for r in rules)
     text = (ROOT / "cluster" / name).read_text()
     for secret in (r"AKIA[0-9A-Z]{16}", r"PRIVATE KEY", r"(?i)aws_secret", r"(?i)password:"):
         assert not re.search(secret, text), secret
 
 
 def _kuberay() -> list[dict]:
-    return [yaml.safe_load(p.read_text()) for p in sorted(KUBERAY.glob("*.yaml"))]
+    """The RayCluster and RayJob manifests (the directory also holds their NetworkPolicy and
+    ServiceAccount: tests/test_cluster_configs.py)."""
+    docs = [d for p in sorted(KUBERAY.glob("*.yaml")) for d in yaml.safe_load_all(p.read_text())]
+    return [d for d in docs if d["kind"] in ("RayCluster", "RayJob")]
 
 
 def _cluster_specs() -> list[dict]:
@@ -184,14 +188,19 @@ def test_kuberay_worker_groups_carry_markers_and_spot_scheduling():
         assert announced == ("cpu" in kinds)
 
 
+RAYJOB_STORAGE = "gs://BUCKET_NAME/raytrain"  # docs/clusters.md replaces the bucket's name
+
+
 def test_rayjob_runs_what_submit_sends():
+    """The RayJob is `raytrain-lm submit --storage gs://...`: run state and data in the bucket."""
     job = next(d for d in _kuberay() if d["kind"] == "RayJob")
     words = shlex.split(job["spec"]["entrypoint"])
     config = words[4]
     assert (ROOT / config).is_file()
     user = [w for w in words[words.index("scaling.ray_address=auto") + 1 :] if w != "--set"]
-    expected, _ = entrypoint(config, user, ROOT)
+    expected, _ = entrypoint(config, user, ROOT, RAYJOB_STORAGE)
     assert " ".join(job["spec"]["entrypoint"].split()) == expected
+    assert f"output_dir={RAYJOB_STORAGE}/runs" in words
 
 
 def _scaling(*overrides: str):
@@ -334,6 +343,75 @@ def test_submit_moves_relative_outputs_to_storage_and_refuses_outside_configs(tm
     outside.write_text("name: y\n")
     with pytest.raises(UserError, match="outside the working dir"):
         entrypoint(str(outside), [], ROOT)
+
+
+def _settings(command: str) -> list[tuple[str, str]]:
+    """The --set KEY=VALUE pairs of a job's command line, in order."""
+    words = shlex.split(command)
+    pairs = [words[i + 1] for i, w in enumerate(words) if w == "--set"]
+    return [tuple(pair.split("=", 1)) for pair in pairs]
+
+
+def _moved(command: str) -> dict[str, str]:
+    return dict(_settings(command))
+
+
+@pytest.mark.parametrize("storage", ["s3://my-runs/raytrain", "gs://my-runs/raytrain/"])
+def test_submit_puts_relative_outputs_in_a_bucket(storage):
+    command, _ = entrypoint("experiments/demo.yaml", ["name=x"], ROOT, storage)
+    moved = _moved(command)
+    prefix = storage.rstrip("/")
+    assert moved["output_dir"] == f"{prefix}/runs"
+    assert moved["data.cache_dir"] == f"{prefix}/data"
+    # sqlite cannot live in a bucket: the database stays on the head, where the driver runs.
+    assert moved["tracking.uri"] == "sqlite:///$HOME/raytrain-lm/mlflow.db"
+    assert '"output_dir=' + prefix + '/runs"' in command  # quoted like the head paths
+
+
+def test_submit_leaves_absolute_outputs_and_servers_alone_with_a_bucket():
+    command, _ = entrypoint(
+        "experiments/demo.yaml",
+        [
+            "output_dir=gs://other/runs",
+            "data.cache_dir=/mnt/data",
+            "tracking.uri=http://mlflow:5000",
+        ],
+        ROOT,
+        "s3://my-runs",
+    )
+    settings = _settings(command)
+    for key, value in [
+        ("output_dir", "gs://other/runs"),
+        ("data.cache_dir", "/mnt/data"),
+        ("tracking.uri", "http://mlflow:5000"),
+    ]:
+        assert [v for k, v in settings if k == key] == [value], key  # the user's, nothing moved
+
+
+def test_submit_keeps_a_relative_sqlite_file_under_a_folder_storage():
+    command, _ = entrypoint("experiments/demo.yaml", ["name=x"], ROOT, "/mnt/store/")
+    moved = _moved(command)
+    assert moved["output_dir"] == "/mnt/store/runs"
+    assert moved["tracking.uri"] == "sqlite:////mnt/store/mlflow.db"
+
+
+@pytest.mark.parametrize(
+    "storage",
+    [
+        "s3://",  # no bucket
+        "s3:///runs",
+        "gs://b",  # too short for a bucket name
+        "ftp://my-runs/raytrain",
+        "s3://my-runs/../elsewhere",
+        "s3://my-runs/$HOME",
+        "s3://my runs/x",
+        "s3://-runs/x",
+    ],
+)
+def test_submit_refuses_storage_that_is_not_a_bucket_or_folder(storage):
+    with pytest.raises(UserError, match="--storage") as refused:
+        entrypoint("experiments/demo.yaml", ["name=x"], ROOT, storage)
+    assert "\n" not in str(refused.value)
 
 
 def test_cli_user_errors_are_one_line(capsys):

@@ -46,6 +46,11 @@ UPLOAD_EXCLUDES = [
 ]
 DEFAULT_STORAGE = "$HOME/raytrain-lm"
 _SAFE_STORAGE = re.compile(r"^[A-Za-z0-9_./$~+-]+$")
+# A bucket and an optional prefix, in the schemes pyarrow.fs writes run state to. No `$` or
+# `~`: nothing in a bucket URI is expanded on the head.
+_BUCKET_STORAGE = re.compile(
+    r"^(s3|gs|gcs)://[A-Za-z0-9][A-Za-z0-9._-]{1,254}(/[A-Za-z0-9_.+=-]+)*/?$"
+)
 
 
 def resolve_address(address: str | None) -> str:
@@ -93,6 +98,26 @@ def _storage_arg(value: str) -> str:
     return f'"{value}"'
 
 
+def is_bucket_storage(storage: str) -> bool:
+    return "://" in storage
+
+
+def check_storage(storage: str) -> str:
+    """`storage` without a trailing slash: a folder on the head, or `s3://BUCKET[/PREFIX]` /
+    `gs://BUCKET[/PREFIX]`; anything else is a one-line UserError."""
+    if is_bucket_storage(storage):
+        if not _BUCKET_STORAGE.fullmatch(storage):
+            raise UserError(
+                f"--storage {storage!r}: a bucket is s3://BUCKET/PREFIX or gs://BUCKET/PREFIX "
+                f"(letters, digits and . _ - in the bucket name)"
+            )
+        if any(part in (".", "..") for part in storage.split("://", 1)[1].split("/")):
+            raise UserError(f"--storage {storage!r}: no . or .. in a bucket prefix")
+    elif not _SAFE_STORAGE.fullmatch(storage):
+        raise UserError(f"--storage {storage!r}: use letters, digits and / . _ - $ ~ only")
+    return storage.rstrip("/")
+
+
 def entrypoint(
     config: str | None,
     overrides: list[str],
@@ -100,13 +125,16 @@ def entrypoint(
     storage: str = DEFAULT_STORAGE,
 ) -> tuple[str, Any]:
     """The job's shell command, and the validated config. Relative output paths would land in
-    the job's throwaway copy of the working dir, so they move under `storage` on the head."""
+    the job's throwaway copy of the working dir, so they move under `storage`: a folder on the
+    head, or a bucket (`s3://BUCKET/PREFIX`, `gs://BUCKET/PREFIX`) that every node reaches, so
+    that `output_dir=runs` becomes `{storage}/runs` and `data.cache_dir=data` `{storage}/data`.
+    A sqlite tracking database cannot live in a bucket: with bucket storage a relative sqlite
+    file goes under DEFAULT_STORAGE on the head instead (an MLflow server is the alternative)."""
     from raytrain_lm.config import load_config
 
     cfg = load_config(config, overrides)
-    if not _SAFE_STORAGE.fullmatch(storage):
-        raise UserError(f"--storage {storage!r}: use letters, digits and / . _ - $ ~ only")
-    storage = storage.rstrip("/")
+    storage = check_storage(storage)
+    database_storage = DEFAULT_STORAGE if is_bucket_storage(storage) else storage
     args = ["python", "-m", "raytrain_lm.cli", "train"]
     if config is not None:
         path = Path(config).resolve()
@@ -126,7 +154,7 @@ def entrypoint(
         uri = cfg.tracking.uri or "sqlite:///mlflow.db"
         database = uri.removeprefix("sqlite:///")
         if uri.startswith("sqlite:///") and not database.startswith(("/", ":memory:")):
-            moved.append(f"tracking.uri=sqlite:///{storage}/{database.removeprefix('./')}")
+            moved.append(f"tracking.uri=sqlite:///{database_storage}/{database.removeprefix('./')}")
     for item in moved:
         args += ["--set", _storage_arg(item)]
     if cfg.scaling.ray_address is None:
