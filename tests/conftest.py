@@ -6,11 +6,14 @@ import os
 from pathlib import Path
 
 import pytest
+from support import s3_server
 
 from raytrain_lm.clusters.multinode import TINY_MODEL
 
 os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+# Before any Ray starts, so that its workers can reach the test bucket server (see s3_server).
+s3_server.export_credentials()
 
 TINY = [
     *TINY_MODEL,
@@ -70,6 +73,15 @@ def mlflow_server(tmp_path_factory):
     from support.mlflow_server import MlflowServer
 
     server = MlflowServer(tmp_path_factory.mktemp("mlflow-server"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def s3():
+    """The session's S3-protocol server (moto on 127.0.0.1); `s3.new_bucket()` for a bucket."""
+    server = s3_server.S3Server()
     server.start()
     yield server
     server.stop()

@@ -336,3 +336,170 @@ def test_char_alphabet_follows_the_byte_cap(tmp_path):
     prepared = prepare(cfg, progress=False)
     assert prepared.manifest.documents == 1
     assert load_tokenizer(prepared.directory).chars == [" ", "a", "b", "c"]
+
+
+def _jsonl_corpus(folder: Path, files: int = 6, docs: int = 40) -> None:
+    """JSON Lines files of documents of varied lengths and scripts, and one plain text file."""
+    import json
+
+    rng = np.random.default_rng(7)
+    words = ["token", "stream", "naïve", "café", "跳过", "🐕", "shard", "exact", "order", "x"]
+    folder.mkdir()
+    for f in range(files):
+        with open(folder / f"part-{f}.jsonl", "w", encoding="utf-8") as out:
+            for _ in range(docs):
+                text = " ".join(rng.choice(words, size=int(rng.integers(1, 60))))
+                out.write(json.dumps({"text": text}, ensure_ascii=False) + "\n")
+            out.write(json.dumps({"text": "   "}) + "\n")  # blank: no document
+    (folder / "z.txt").write_text("the last document.\n" * 30, encoding="utf-8")
+
+
+def _reference(cfg: DataConfig, tokenizer) -> tuple[np.ndarray, int]:
+    """The token stream `cfg` defines, computed in this process without Ray: every non-blank
+    document in input order while their bytes fit under the cap (the first always), each
+    encoded and followed by end-of-text; and how many documents that is."""
+    from raytrain_lm.data.sources import expand_sources, read_documents
+
+    parts, total, documents = [], 0, 0
+    limit = cfg.max_source_bytes
+    for item in expand_sources(cfg.sources):
+        for doc in read_documents(item, cfg.text_field):
+            if not doc.text.strip():
+                continue
+            size = len(doc.text.encode("utf-8"))
+            if limit is not None and total + size > limit and documents:
+                return np.concatenate(parts), documents
+            parts.append(np.array([*tokenizer.encode(doc.text), tokenizer.eot_id], dtype=np.int64))
+            total, documents = total + size, documents + 1
+            if limit is not None and total >= limit:
+                return np.concatenate(parts), documents
+    return np.concatenate(parts), documents
+
+
+@pytest.mark.parametrize(
+    "kind, cap",
+    [("byte", None), ("byte", 9000), ("char", 9000), ("bpe", 9000)],
+)
+def test_the_token_stream_and_its_shards_are_those_of_a_plain_tokenization(tmp_path, kind, cap):
+    """Tasks write the pieces and shards; the train and val splits still hold exactly the
+    stream a plain in-process tokenization gives, cut where one writer of it would cut."""
+    from raytrain_lm.tokenization import BPETokenizer
+
+    _jsonl_corpus(tmp_path / "in")
+    tokenizer = {"kind": kind}
+    if kind == "bpe":
+        BPETokenizer.train([TEXT, "naïve café 跳过 🐕 token stream"], 300).save(tmp_path)
+        tokenizer["path"] = str(tmp_path)
+    cfg = DataConfig(
+        sources=[str(tmp_path / "in")],
+        cache_dir=str(tmp_path / "data"),
+        shard_tokens=1024,
+        val_fraction=0.13,
+        max_source_bytes=cap,
+        tokenizer=tokenizer,
+    )
+    prepared = prepare(cfg, progress=False)
+    directory, manifest = prepared.directory, prepared.manifest
+    tok = load_tokenizer(directory)
+    expected, documents = _reference(cfg, tok)
+    if cap is not None:  # the cap falls inside a file, i.e. inside one task's group
+        assert documents % 40  # 40 documents per file
+    if kind == "char":  # the alphabet is that of the documents under the cap
+        assert set(tok.chars) == set(tok.decode(expected[expected != tok.eot_id].tolist()))
+    splits = {
+        name: [read_shard(directory, s) for s in manifest.splits[name].shards]
+        for name in ("train", "val")
+    }
+    stream = np.concatenate(splits["train"] + splits["val"])
+    assert stream.tolist() == expected.tolist()
+    assert manifest.documents == documents
+    total = len(expected)
+    n_val = max(int(total * cfg.val_fraction), 2)
+    assert manifest.splits["val"].tokens == n_val == sum(len(s) for s in splits["val"])
+    # Shards are the stream cut every shard_tokens, the one holding the boundary cut in two.
+    boundary = total - n_val
+    cuts = sorted({0, boundary, total, *range(1024, total, 1024)})
+    sizes = [len(s) for s in splits["train"] + splits["val"]]
+    assert sizes == [b - a for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
+    assert sorted(p.name for p in (tmp_path / "data").iterdir()) == [Path(directory).name]
+    assert not [p.name for p in Path(directory).iterdir() if p.name.startswith(".")]
+
+
+def _walk(value, found: list, depth: int = 0) -> None:
+    """Collects the arrays and tables in a value (through lists, tuples and dicts)."""
+    import pyarrow as pa
+
+    if depth > 4:
+        return
+    if isinstance(value, np.ndarray | pa.Array | pa.ChunkedArray | pa.Table | pa.RecordBatch):
+        found.append(value)
+    elif isinstance(value, list | tuple):
+        for item in value:
+            _walk(item, found, depth + 1)
+    elif isinstance(value, dict):
+        for item in value.values():
+            _walk(item, found, depth + 1)
+
+
+def test_the_driver_receives_no_token_arrays(tmp_path, monkeypatch):
+    """What `prepare`'s driver iterates and gets back from its tasks is metadata: one small row
+    per group of inputs, and the shards' names, sizes and checksums."""
+    import pyarrow as pa
+    import ray
+    import ray.data
+
+    from raytrain_lm.data.manifest import ShardInfo
+    from raytrain_lm.data.prepare import METADATA_COLUMNS
+
+    (tmp_path / "in").mkdir()
+    for i in range(8):
+        (tmp_path / "in" / f"{i}.txt").write_text(f"file {i}: " + TEXT, encoding="utf-8")
+    iterated, got = [], []
+    real_iter_batches, real_get = ray.data.Dataset.iter_batches, ray.get
+
+    def iter_batches(self, *args, **kwargs):
+        for batch in real_iter_batches(self, *args, **kwargs):
+            iterated.append(batch)
+            yield batch
+
+    def get(refs, *args, **kwargs):
+        values = real_get(refs, *args, **kwargs)
+        got.append(values)
+        return values
+
+    monkeypatch.setattr(ray.data.Dataset, "iter_batches", iter_batches)
+    monkeypatch.setattr(ray, "get", get)
+    cfg = DataConfig(
+        sources=[str(tmp_path / "in")],
+        cache_dir=str(tmp_path / "data"),
+        shard_tokens=4096,
+        max_source_bytes=None,
+    )
+    prepared = prepare(cfg, progress=False)
+    monkeypatch.undo()
+    manifest = prepared.manifest
+    tokens = manifest.splits["train"].tokens + manifest.splits["val"].tokens
+    assert tokens > 100_000 and len(manifest.splits["train"].shards) > 20
+    assert iterated and all(isinstance(b, pa.Table) for b in iterated)
+    assert all(tuple(b.column_names) == METADATA_COLUMNS for b in iterated)
+    assert sum(b.num_rows for b in iterated) == 8  # a row per group: here, per file
+    assert sum(b.nbytes for b in iterated) < 2000
+    arrays: list = []
+    _walk(got, arrays)
+    assert all(len(a) < 100 for a in arrays), [type(a) for a in arrays if len(a) >= 100]
+    shard_infos = [
+        i for v in got if isinstance(v, list) for w in v if isinstance(w, list) for i in w
+    ]
+    assert len(shard_infos) == len(manifest.splits["train"].shards) + len(
+        manifest.splits["val"].shards
+    )
+    assert all(isinstance(i, ShardInfo) for i in shard_infos)
+    stream = np.concatenate(
+        [
+            read_shard(prepared.directory, s)
+            for n in ("train", "val")
+            for s in manifest.splits[n].shards
+        ]
+    )
+    expected, _ = _reference(cfg, load_tokenizer(prepared.directory))
+    assert stream.tolist() == expected.tolist()

@@ -1,9 +1,11 @@
 """Checks on a run's data settings that refuse it with one line before work starts:
-`check_inputs` before any Ray starts (it lists inputs but reads no corpus), and
+`check_inputs` before any Ray starts (it lists inputs but reads no corpus, and checks that a
+bucket it is to read from or write to exists and can be reached), and
 `check_data_matches_model` once the prepared dataset's manifest is known."""
 
 from __future__ import annotations
 
+from raytrain_lm import storage
 from raytrain_lm.config import DataConfig, ModelConfig
 from raytrain_lm.data.manifest import Manifest
 from raytrain_lm.data.order import check_split_holds_a_sequence
@@ -30,13 +32,17 @@ def given_tokenizer(cfg: DataConfig) -> Tokenizer | None:
 def check_inputs(cfg: DataConfig) -> list[InputFile]:
     """Refuses what can be refused without Ray and without reading the corpus: a
     `data.prepared` folder without a manifest, a `data.tokenizer.path` that is not a BPE
-    tokenizer file, a source that names nothing. Returns the inputs the sources name (none
-    for prepared data), which `prepare` goes on to read."""
+    tokenizer file, a source that names nothing, a `data.prepared` or `data.cache_dir` bucket
+    that does not exist or cannot be reached. Returns the inputs the sources name (none for
+    prepared data), which `prepare` goes on to read."""
     if cfg.prepared:
+        storage.check_reachable(cfg.prepared, "data.prepared")
         Manifest.load(cfg.prepared)
         return []
     given_tokenizer(cfg)
-    return expand_sources(cfg.sources)
+    inputs = expand_sources(cfg.sources)
+    storage.check_reachable(cfg.cache_dir, "data.cache_dir")
+    return inputs
 
 
 def check_data_matches_model(data: DataConfig, model: ModelConfig, manifest: Manifest) -> None:
