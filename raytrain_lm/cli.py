@@ -149,7 +149,9 @@ def _add_cluster_commands(commands) -> None:
     sub.add_argument(
         "--storage",
         default=None,
-        help="where relative output paths go on the head (default $HOME/raytrain-lm)",
+        help="where run output and prepared data go: a bucket (s3://BUCKET/prefix, "
+        "gs://BUCKET/prefix; what a cluster of several nodes needs) or a folder on the head "
+        "(default $HOME/raytrain-lm)",
     )
     sub.add_argument("--job-id", help="submission id (default <run name>-<time>)")
     sub.add_argument("--follow", action="store_true", help="stream the logs until the job ends")

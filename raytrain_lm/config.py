@@ -85,6 +85,11 @@ class DataConfig(_Section):
     seed: int = 1337
     tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
 
+    @field_validator("cache_dir", "prepared")
+    @classmethod
+    def _storage_location(cls, value: str | None) -> str | None:
+        return check_storage_location(value)
+
     @field_validator("sources", mode="before")
     @classmethod
     def _one_source_is_a_list(cls, value: Any) -> Any:
@@ -236,6 +241,32 @@ class CheckpointConfig(_Section):
     every_steps: int = Field(200, ge=1)
     keep_last: int = Field(2, ge=1)
     keep_best: bool = Field(True, description="also keep the checkpoint with the best val loss")
+    upload_retry_s: float = Field(
+        600.0,
+        gt=0,
+        description="how long a checkpoint upload is retried while its bucket is unreachable "
+        "before the worker group fails (and restarts from the previous complete checkpoint)",
+    )
+
+
+# Where run state and prepared data may live besides a local folder (pyarrow.fs schemes).
+STORAGE_SCHEMES = ("s3", "gs", "gcs", "file")
+
+
+def check_storage_location(value: str | None) -> str | None:
+    """A local path, or a URI of a scheme pyarrow can write to: never a URI folded into a
+    local folder named `s3a:` that the user believes is a bucket."""
+    if value is None or "://" not in value:
+        return value
+    scheme, _, rest = value.partition("://")
+    if scheme not in STORAGE_SCHEMES:
+        raise ValueError(
+            f"{scheme}:// is not a storage this can write to; use a local path or "
+            f"{', '.join(s + '://' for s in STORAGE_SCHEMES)}"
+        )
+    if scheme != "file" and not rest.split("/", 1)[0]:
+        raise ValueError("the URI names no bucket")
+    return value
 
 
 def _absolute_store_uri(uri: str, base_dir: str | Path) -> str:
@@ -274,7 +305,7 @@ class TrackingConfig(_Section):
 
 class RunConfig(_Section):
     name: str = Field("demo", pattern=RUN_NAME_PATTERN)
-    output_dir: str = "runs"
+    output_dir: str = Field("runs", description="where runs go (a path or a bucket URI)")
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
@@ -297,6 +328,8 @@ class RunConfig(_Section):
         base = os.path.abspath(base_dir if base_dir is not None else os.getcwd())
 
         def absolute(path: str) -> str:
+            if path.startswith("file://"):
+                path = path.removeprefix("file://")
             if is_uri(path) or path.startswith("builtin:"):
                 return path
             return os.path.normpath(os.path.join(base, os.path.expanduser(path)))
@@ -313,6 +346,11 @@ class RunConfig(_Section):
         if cfg.tracking.enabled:
             cfg.tracking.uri = cfg.tracking.store_uri(base)
         return cfg
+
+    @field_validator("output_dir")
+    @classmethod
+    def _output_location(cls, value: str) -> str:
+        return check_storage_location(value)
 
     @model_validator(mode="after")
     def _batch_fits_workers(self) -> RunConfig:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pyarrow.fs as pafs
 import torch
 import yaml
 
@@ -11,6 +12,7 @@ from raytrain_lm.config import RunConfig
 from raytrain_lm.errors import UserError
 from raytrain_lm.model import GPT
 from raytrain_lm.models import build_model
+from raytrain_lm.rundir import filesystem, join
 from raytrain_lm.tokenization import Tokenizer, load_tokenizer
 from raytrain_lm.trainer.checkpoint import (
     CONFIG_FILE,
@@ -18,34 +20,46 @@ from raytrain_lm.trainer.checkpoint import (
     is_complete,
     latest_complete_checkpoint,
     load_model_state,
+    local_copy,
 )
 
 
-def resolve_checkpoint(run_or_checkpoint: str, output_dir: str = "runs") -> Path:
-    """A checkpoint folder, a run folder (its newest checkpoint) or a run name under output_dir."""
-    for candidate in (Path(run_or_checkpoint), Path(output_dir) / run_or_checkpoint):
-        if candidate.is_dir():
-            if is_complete(candidate):
-                return candidate
-            latest = latest_complete_checkpoint(candidate)
-            if latest is not None:
-                return latest
-            raise UserError(f"{candidate} holds no complete checkpoint")
+def resolve_checkpoint(run_or_checkpoint: str, output_dir: str = "runs") -> str:
+    """A checkpoint folder, a run folder (its newest checkpoint) or a run name under
+    output_dir; local or in a bucket."""
+    for candidate in (run_or_checkpoint, join(output_dir, run_or_checkpoint)):
+        if not _is_folder(candidate):
+            continue
+        if is_complete(candidate):
+            return candidate
+        latest = latest_complete_checkpoint(candidate)
+        if latest is not None:
+            return latest
+        raise UserError(f"{candidate} holds no complete checkpoint")
     raise UserError(f"no run or checkpoint named '{run_or_checkpoint}' (looked in {output_dir}/)")
 
 
-def load_model(checkpoint: Path, device: str = "cpu") -> tuple[GPT, Tokenizer]:
+def _is_folder(location: str) -> bool:
+    fs, inner = filesystem(location)
+    try:
+        return fs.get_file_info(inner).type == pafs.FileType.Directory
+    except OSError:  # not a bucket one can reach: no such run there
+        return False
+
+
+def load_model(checkpoint: str | Path, device: str = "cpu") -> tuple[GPT, Tokenizer]:
     from safetensors.torch import load_file
 
-    cfg = RunConfig.model_validate(yaml.safe_load((checkpoint / CONFIG_FILE).read_text()))
-    tokenizer = load_tokenizer(checkpoint)
-    model = build_model(cfg.model, tokenizer.vocab_size)
-    load_model_state(model, load_file(str(checkpoint / MODEL_FILE), device=device))
+    with local_copy(checkpoint) as folder:
+        cfg = RunConfig.model_validate(yaml.safe_load((folder / CONFIG_FILE).read_text()))
+        tokenizer = load_tokenizer(folder)
+        model = build_model(cfg.model, tokenizer.vocab_size)
+        load_model_state(model, load_file(str(folder / MODEL_FILE), device=device))
     return model.to(device).eval(), tokenizer
 
 
 def sample(
-    checkpoint: Path,
+    checkpoint: str | Path,
     prompt: str,
     max_new_tokens: int = 200,
     temperature: float = 0.8,

@@ -14,27 +14,29 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from raytrain_lm.errors import UserError
-from raytrain_lm.rundir import RunDir
+from raytrain_lm.rundir import TRACKING_FILE, RunDir, is_uri, join
 
 if TYPE_CHECKING:
     import pandas as pd
 
 
-def run_directory(run: str | Path, output_dir: str | Path = "runs") -> Path:
-    """The folder of `run`: `run` itself if it is a run directory, else `output_dir/run`."""
-    for candidate in (Path(run), Path(output_dir) / run):
+def run_directory(run: str | Path, output_dir: str | Path = "runs") -> RunDir:
+    """The directory of `run` (local or in a bucket): `run` itself if it is a run directory,
+    else `output_dir/run`."""
+    for candidate in (str(run), join(output_dir, str(run))):
         if RunDir(candidate).is_run():
-            return candidate
-    raise UserError(f"no run named '{run}' (looked for it in {Path(output_dir).resolve()}/)")
+            return RunDir(candidate)
+    where = output_dir if is_uri(output_dir) else Path(output_dir).resolve()
+    raise UserError(f"no run named '{run}' (looked for it in {where}/)")
 
 
 def mlflow_run(run: str | Path, output_dir: str | Path = "runs") -> tuple[str, str]:
     """(tracking URI, MLflow run id) of `run`."""
-    path = RunDir(run_directory(run, output_dir)).tracking
-    if not path.is_file():
+    record = run_directory(run, output_dir).read_text(TRACKING_FILE)
+    if record is None:
         raise UserError(f"run '{run}' has no MLflow run (it was trained with tracking disabled)")
-    record = json.loads(path.read_text())
-    return record["tracking_uri"], record["mlflow_run_id"]
+    fields = json.loads(record)
+    return fields["tracking_uri"], fields["mlflow_run_id"]
 
 
 def metric_history(

@@ -71,7 +71,7 @@ def test_node_loss_shrinks_a_sweep_trial_then_it_grows_back(
     every step. (The elastic notebook does the same with a plain `raytrain_lm.train` run.)"""
     from mlflow.tracking import MlflowClient
 
-    from raytrain_lm.sweeps import TRIALS_DIR
+    from raytrain_lm.sweeps import TRIALS_DIR, trial_starts
 
     steps = 400  # >= 40 s of steps: long enough to shrink, then grow, mid-run
     sweep_file = tmp_path / "spot.yaml"
@@ -89,7 +89,7 @@ def test_node_loss_shrinks_a_sweep_trial_then_it_grows_back(
     monkeypatch.setenv(faults.ENV_VAR, "slow-steps:seconds=0.1")
     run = Background(lambda: raytrain_lm.sweep(sweep_file, overrides))
     trials = tmp_path / "runs" / "spot" / TRIALS_DIR
-    deadline = time.time() + 240
+    deadline = time.time() + 600
     while not list(trials.glob("*/checkpoint_*/COMPLETE")):
         assert run.running and time.time() < deadline, run.error or "no trial checkpoint"
         time.sleep(0.5)
@@ -101,7 +101,7 @@ def test_node_loss_shrinks_a_sweep_trial_then_it_grows_back(
     shrunk = wait_for_event(
         run_dir,
         lambda e: e["event"] == "segment_start" and e["world_size"] == 2,
-        120,
+        300,
         after=killed_at,
         still_running=run,
     )
@@ -110,7 +110,7 @@ def test_node_loss_shrinks_a_sweep_trial_then_it_grows_back(
     grown = wait_for_event(
         run_dir,
         lambda e: e["event"] == "segment_start" and e["world_size"] == 3,
-        120,
+        300,
         after=shrunk["t"],
         still_running=run,
     )
@@ -120,7 +120,7 @@ def test_node_loss_shrinks_a_sweep_trial_then_it_grows_back(
     assert summary["trials"] == 1 and summary["errored"] == 0 and not summary["interrupted"]
     (row,) = summary["ranked"]
     assert row["status"] == "FINISHED" and row["tokens"] == steps * GLOBAL_BATCH * 32
-    starts = (trials / f"{run_dir.name}.starts").read_text().splitlines()
+    starts = trial_starts(trials.parent, run_dir.name)
     assert len(starts) == 1  # Ray Train recovered inside the trial; Tune did not restart it
     _assert_exactly_once(run_dir, steps)
     goodput = json.loads((run_dir / "summary.json").read_text())["goodput"]
@@ -150,25 +150,27 @@ def test_drain_writes_a_just_in_time_checkpoint_and_loses_no_step(
     ]
     monkeypatch.setenv(faults.ENV_VAR, "slow-steps:seconds=0.05")
     run = Background(lambda: _train(overrides))
-    wait_for_event(run_dir, lambda e: e["event"] == "first_step", 180, still_running=run)
+    wait_for_event(run_dir, lambda e: e["event"] == "first_step", 600, still_running=run)
     time.sleep(3)
     drained_at = time.time()
     node = cluster.drain_node(deadline_s=120)  # AWS gives two minutes' notice
     notice = wait_for_event(
-        run_dir, lambda e: e["event"] == "preemption", 60, after=drained_at, still_running=run
+        run_dir, lambda e: e["event"] == "preemption", 100, after=drained_at, still_running=run
     )
+    # A restart that asked for the draining node's worker too would wait out the whole
+    # worker-start timeout (600 s) before starting smaller.
     first_step = wait_for_event(
         run_dir,
         lambda e: e["event"] == "first_step" and e["t"] > notice["t"],
-        100,
+        400,
         still_running=run,
     )
     resumed = segments(run_dir)[-1]
     assert resumed["segment"] == first_step["segment"]
     assert resumed["restored_step"] == notice["step"]  # the just-in-time checkpoint
     assert resumed["world_size"] == 2  # nothing lands on the draining node
-    # Training went on well before the node's deadline, let alone the start timeout.
-    assert first_step["t"] - notice["t"] < 60, first_step["t"] - notice["t"]
+    # Well under the start timeout (here it takes ~30 s; a loaded CI machine is slower).
+    assert first_step["t"] - notice["t"] < 300, first_step["t"] - notice["t"]
     cluster.kill_node(node)  # the cloud takes the machine at its deadline
 
     summary = run.wait(600)
@@ -203,7 +205,7 @@ def test_driver_killed_then_same_command_resumes(cluster, chaos_overrides, tmp_p
     env = {**os.environ, "RAY_ADDRESS": cluster.address}
     first = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
-        deadline = time.time() + 240
+        deadline = time.time() + 600
         while not complete_checkpoints(run_dir) and time.time() < deadline:
             assert first.poll() is None, first.stdout.read().decode()[-3000:]
             time.sleep(0.5)
@@ -212,7 +214,7 @@ def test_driver_killed_then_same_command_resumes(cluster, chaos_overrides, tmp_p
         first.send_signal(signal.SIGKILL)
         first.wait()
 
-    second = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    second = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     assert "resuming run 'driver' from checkpoint_" in second.stdout
     _assert_exactly_once(run_dir, steps)

@@ -194,7 +194,7 @@ def test_a_damaged_checkpoint_is_skipped_for_the_one_before(tmp_path, capfd):
     model = GPT(GPTShape(vocab_size=16, block_size=4, n_layer=1, n_head=1, n_embd=8))
     optimizer = torch.optim.AdamW(model.parameters())
     directory, state = restore_newest([older, newer], model, optimizer, torch.device("cpu"))
-    assert directory == older and state.step == 1
+    assert directory == str(older) and state.step == 1
     assert "cannot restore checkpoint_0002" in capfd.readouterr().out
 
     # A marker without checksums (as written before they were recorded) and a header that
@@ -206,7 +206,7 @@ def test_a_damaged_checkpoint_is_skipped_for_the_one_before(tmp_path, capfd):
     weights.write_bytes(b"\xff" * len(altered))
     assert is_complete(newer) and damage(newer) is None
     directory, _ = restore_newest([newer, older], model, optimizer, torch.device("cpu"))
-    assert directory == older
+    assert directory == str(older)
     assert restore_newest([newer], model, optimizer, torch.device("cpu")) is None
 
 
@@ -218,11 +218,11 @@ def test_graceful_stop_requests_once_then_forces(tmp_path):
         "from pathlib import Path\n"
         "from raytrain_lm.rundir import RunDir\n"
         "from raytrain_lm.trainer.stopping import GracefulStop, run_interruptibly\n"
-        "run_dir = RunDir(Path(sys.argv[1]))\n"
+        "run_dir = RunDir(sys.argv[1])\n"
         "def work():\n"
         "    os.kill(os.getpid(), signal.SIGTERM)\n"
         "    time.sleep(0.5)\n"
-        "    print('requested', run_dir.stop_request.is_file(), flush=True)\n"
+        "    print('requested', run_dir.exists('STOP'), flush=True)\n"
         "    if sys.argv[2] == 'twice':\n"
         "        os.kill(os.getpid(), signal.SIGTERM)\n"
         "    time.sleep(30)\n"
@@ -231,7 +231,7 @@ def test_graceful_stop_requests_once_then_forces(tmp_path):
         "        run_interruptibly(work)\n"
         "    except KeyboardInterrupt:\n"
         "        print('forced', flush=True)\n"
-        "print('left', run_dir.stop_request.is_file(), flush=True)\n"
+        "print('left', run_dir.exists('STOP'), flush=True)\n"
     )
     for mode, timeout in (("twice", 60.0), ("once", 1.5)):
         started = time.monotonic()

@@ -12,12 +12,14 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import TINY
 from mlflow.tracking import MlflowClient
 
 import raytrain_lm
 from raytrain_lm import cli
 from raytrain_lm.config import RunConfig, parse_override, set_dotted
 from raytrain_lm.errors import UserError
+from raytrain_lm.rundir import RunDir
 from raytrain_lm.runtime import check_schedulable, ensure_ray
 from raytrain_lm.sweeps import (
     SWEEP_FILE,
@@ -29,6 +31,7 @@ from raytrain_lm.sweeps import (
     derive_max_concurrent,
     load_sweep,
     log_uniform_keys,
+    trial_starts,
 )
 from raytrain_lm.sweeps.search import TRIAL_CPU, build_scheduler, build_search_alg, param_space
 from raytrain_lm.trainer.goodput import read_events
@@ -67,8 +70,8 @@ def _write_sweep(folder: Path, overrides: list[str], **top) -> Path:
     return path
 
 
-def _children(uri: str, record_dir: Path) -> tuple[MlflowClient, list, object]:
-    record = json.loads((record_dir / SWEEP_FILE).read_text())
+def _children(uri: str, record_dir: Path | str) -> tuple[MlflowClient, list, object]:
+    record = json.loads(RunDir(str(record_dir)).read_text(SWEEP_FILE))
     runs = TrialRuns(record["tracking_uri"], record["parent_run_id"])
     client = MlflowClient(tracking_uri=uri)
     return client, runs.children(), client.get_run(record["parent_run_id"])
@@ -219,9 +222,8 @@ def test_a_sweep_that_starts_its_own_ray_leaves_room_for_its_trial(tmp_path):
 # ------------------------------------------------------------------ sweeps on the session Ray
 
 
-def _starts(trials_dir: Path, run_name: str) -> int:
-    file = trials_dir / f"{run_name}.starts"
-    return len(file.read_text().splitlines()) if file.is_file() else 0
+def _starts(sweep_dir: Path | str, run_name: str) -> int:
+    return len(trial_starts(sweep_dir, run_name))
 
 
 def _interrupt_once_a_trial_finished_and_another_trains(
@@ -241,25 +243,27 @@ def _interrupt_once_a_trial_finished_and_another_trains(
     trials_dir = sweep_dir / TRIALS_DIR
     finished: dict[str, int] = {}
     try:
-        deadline = time.time() + 300
+        deadline = time.time() + 600
         while time.time() < deadline and not finished:
             assert driver.poll() is None, driver.stdout.read().decode()[-4000:]
-            record = sweep_dir / SWEEP_FILE
-            if record.is_file() and json.loads(record.read_text()).get("parent_run_id"):
+            # Files first (cheap, polled often): a trial past its first checkpoint and not done.
+            folders = [d for d in trials_dir.iterdir() if d.is_dir()] if trials_dir.is_dir() else []
+            training = {
+                d.name
+                for d in folders
+                if list(d.glob("checkpoint_*/COMPLETE*")) and not (d / "summary.json").exists()
+            }
+            if training:
                 _, children, _ = _children(uri, sweep_dir)
-                running = [
-                    r
-                    for r in children
-                    if r.info.status == "RUNNING"
-                    and list((trials_dir / r.info.run_name).glob("checkpoint_*/COMPLETE*"))
-                ]
-                if running:
+                if any(
+                    r.info.run_name in training and r.info.status == "RUNNING" for r in children
+                ):
                     finished = {
                         r.info.run_name: r.info.end_time
                         for r in children
                         if r.info.status == "FINISHED"
                     }
-            time.sleep(1)
+            time.sleep(0.2)
         assert finished, "never saw a finished trial next to a running one"
         driver.send_signal(signal.SIGINT)
         output = driver.communicate(timeout=180)[0].decode()
@@ -288,11 +292,17 @@ def test_asha_sweep_interrupted_then_restored_on_a_tracking_server(
         num_samples=3,
         max_concurrent_trials=1,
         seed=0,
+        # ASHA may stop a trial only at its last report: a trial stopped at its first
+        # checkpoint (seed 0 gives the later trials low learning rates) would leave nothing
+        # to interrupt and resume.
+        scheduler={"kind": "asha", "grace_period": 6},
     )
     env = {
         **os.environ,
         "RAY_ADDRESS": ray_session.get_runtime_context().gcs_address,
-        "RAYTRAIN_LM_FAULT": "slow-steps:seconds=0.5",  # time to interrupt mid-trial
+        # Steps 3-6 of a trial (after its first checkpoint) leave 8 s to interrupt it, even on
+        # a loaded machine, where Tune takes seconds to act on a SIGINT.
+        "RAYTRAIN_LM_FAULT": "slow-steps:seconds=2",
     }
     finished_before = _interrupt_once_a_trial_finished_and_another_trains(
         path, mlflow_server.uri, env
@@ -337,9 +347,9 @@ def test_asha_sweep_interrupted_then_restored_on_a_tracking_server(
             final = {a.path for a in client.list_artifacts(run.info.run_id, "final")}
             assert "final/model.safetensors" in final
         if name in finished_before:
-            assert _starts(trials_dir, name) == 1, name  # not rerun
+            assert _starts(sweep_dir, name) == 1, name  # not rerun
             assert run.info.end_time == finished_before[name]
-        elif _starts(trials_dir, name) == 2:  # the interrupted trial, started again
+        elif _starts(sweep_dir, name) == 2:  # the interrupted trial, started again
             events = read_events(trials_dir / name)
             restored = [e["restored_step"] for e in events if e["event"] == "segment_start"]
             assert restored[0] == 0 and restored[-1] > 0, restored  # from its checkpoint
@@ -421,6 +431,77 @@ def test_pbt_trials_continue_from_copied_checkpoints(ray_session, tiny_overrides
             restored = [e["restored_step"] for e in read_events(run_dir) if "restored_step" in e]
             assert int(step) == 4 or int(step) in restored, restored
     assert copied >= 1  # the weaker trial took the stronger one's checkpoint at least once
+
+
+def test_a_pbt_sweep_keeps_everything_in_a_bucket(
+    ray_session, s3, shared_dirs, tmp_path, monkeypatch
+):
+    """output_dir and data.cache_dir in a bucket (a real S3-protocol server): the sweep's
+    record, Tune's state, the trials' run directories, checkpoints and starts, and the report
+    are objects there; the weaker PBT trial copies the stronger one's checkpoint bucket to
+    bucket; `sweep report` reads the sweep back from the bucket; and no local runs/ or data/
+    folder appears."""
+    bucket = s3.new_bucket("sweeps")
+    monkeypatch.chdir(tmp_path)  # the default local folders would appear here
+    path = _write_sweep(
+        tmp_path,
+        [
+            *TINY,
+            f"output_dir={bucket}/runs",
+            f"data.cache_dir={bucket}/data",
+            f"tracking.uri=sqlite:///{shared_dirs['mlflow']}",
+            "training.max_steps=4",
+        ],
+        name="cloud-pbt",
+        num_samples=2,
+        seed=0,
+        space={"model.n_embd": {"choice": [32, 48]}},
+        scheduler={
+            "kind": "pbt",
+            "perturbation_interval": 2,
+            "synch": True,
+            "quantile_fraction": 0.5,
+            "hyperparam_mutations": {"optim.lr": {"loguniform": [1e-3, 1e-2]}},
+        },
+    )
+    summary = raytrain_lm.sweep(path)
+    sweep_dir = f"{bucket}/runs/cloud-pbt"
+    assert summary["trials"] == 2 and summary["errored"] == 0 and not summary["interrupted"]
+    assert summary["directory"] == sweep_dir and summary["report"] == f"{sweep_dir}/report.png"
+
+    keys = s3.keys(sweep_dir)
+    assert {"sweep.json", "report.png"} <= set(keys), keys
+    assert any(k.startswith("tune/") for k in keys), keys  # Tune's storage_path
+    assert any(k.startswith("data/") and k.endswith("/manifest.json") for k in s3.keys(bucket))
+    client, children, parent = _children(f"sqlite:///{shared_dirs['mlflow']}", sweep_dir)
+    assert parent.info.status == "FINISHED" and len(children) == 2
+    names = {r.info.run_name for r in children}
+    copied = 0
+    for run in children:
+        name = run.info.run_name
+        assert run.info.status == "FINISHED", run.info
+        assert _steps(client, run.info.run_id) == [1, 2, 3, 4]
+        assert _starts(sweep_dir, name) >= 1
+        assert any(k.startswith(f"starts/{name}/") for k in keys)
+        assert f"{TRIALS_DIR}/{name}/config.yaml" in keys
+        complete = [k for k in keys if k.startswith(f"{TRIALS_DIR}/{name}/checkpoint_")]
+        assert any(k.endswith("/COMPLETE") for k in complete), keys
+        run_dir = f"{sweep_dir}/{TRIALS_DIR}/{name}"
+        saved = yaml.safe_load(RunDir(run_dir).read_text("config.yaml"))
+        lr = json.loads(run.data.tags[TAG_PBT_VALUES])["optim.lr"]
+        assert saved["optim"]["lr"] == lr  # trained with its value
+        donor = run.data.tags.get(TAG_PBT_DONOR)
+        if donor:
+            copied += 1
+            donor_name, step = donor.rsplit("@", 1)
+            assert donor_name in names - {name} and int(step) in (2, 4)
+            restored = [e["restored_step"] for e in read_events(run_dir) if "restored_step" in e]
+            assert int(step) == 4 or int(step) in restored, restored
+    assert copied >= 1  # a checkpoint copied from one trial's run directory to the other's
+
+    code = cli.run(["sweep", "report", "cloud-pbt", "--output-dir", f"{bucket}/runs"])
+    assert code == 0
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "data").exists()
 
 
 def test_pbt_sweep_files_are_checked(tmp_path):

@@ -205,7 +205,7 @@ def test_resume_is_bit_for_bit(ray_session, tiny_overrides, tmp_path, monkeypatc
 
     partial = run_dir / "checkpoint_9999-12-31_23-59-59.000000"
     partial.mkdir()
-    for item in complete_checkpoints(run_dir)[-1].iterdir():
+    for item in Path(complete_checkpoints(run_dir)[-1]).iterdir():
         (partial / item.name).write_bytes(item.read_bytes())
     (partial / "train_state.json").write_text('{"step": 11, "tokens": 0, "position": 88}')
     with open(partial / "model.safetensors", "r+b") as model_file:

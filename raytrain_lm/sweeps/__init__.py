@@ -5,13 +5,14 @@ Tune samples it, schedules the trials (ASHA, FIFO or PBT) and decides how many r
 (`search`). Each trial is an ordinary training run named `<sweep>-<trial id>` that resumes
 from its own checkpoints however often it restarts (`trial`). MLflow holds one parent run
 per sweep and one nested child run per trial, reused when a sweep is restored (`runs`). The
-sweep's folder holds `sweep.json`, Tune's state and the trials' run directories (`record`).
+sweep's folder (local, or in a bucket) holds `sweep.json`, Tune's state and the trials' run
+directories (`record`).
 `driver` runs a sweep end to end; `report` ranks its trials into a table and a PNG
 (`plots`).
 """
 
 from raytrain_lm.sweeps.driver import connect_ray, run_sweep
-from raytrain_lm.sweeps.record import SWEEP_FILE, TRIALS_DIR, TUNE_DIR
+from raytrain_lm.sweeps.record import SWEEP_FILE, TRIALS_DIR, TUNE_DIR, trial_starts
 from raytrain_lm.sweeps.report import collect, format_table, log_uniform_keys, report, swept_keys
 
 # CloseTrialRuns, TrialRuns: the saved Tune state of a sweep begun before this package
@@ -53,4 +54,5 @@ __all__ = [
     "report",
     "run_sweep",
     "swept_keys",
+    "trial_starts",
 ]

@@ -5,9 +5,11 @@ MLflow run, report, and raise the `UserError` a trial failed with, if any."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
 from typing import Any
@@ -18,7 +20,9 @@ from ray import tune
 from raytrain_lm.config import RunConfig
 from raytrain_lm.data.prepare import prepare
 from raytrain_lm.errors import UserError, find_user_error
+from raytrain_lm.rundir import RunDir, is_uri
 from raytrain_lm.runtime import ensure_ray, use_gpu
+from raytrain_lm.storage import check_writable
 from raytrain_lm.sweeps.record import (
     REPORT_FILE,
     TRIALS_DIR,
@@ -63,9 +67,11 @@ def run_sweep(sweep: Sweep) -> dict[str, Any]:
     default_ray_env()
     # Checked before anything is written: a sweep refused here leaves no trace.
     gpu, concurrent = connect_ray(sweep, base_cfg)
-    sweep.directory.mkdir(parents=True, exist_ok=True)
+    if is_uri(sweep.directory):  # one line naming what is missing, not retries for minutes
+        check_writable(base_cfg.output_dir, "output_dir")
+    # A local folder, or a prefix in a bucket (which exists once it holds an object).
     trials_dir = sweep.directory / TRIALS_DIR
-    trials_dir.mkdir(exist_ok=True)
+    RunDir(trials_dir).create()
     # Trials run in Tune's actors, whose working directory is not ours: pin every path now
     # (and each trial's own values against the same folder: run_trial).
     pinned = base_cfg.resolved()
@@ -135,20 +141,33 @@ def run_sweep(sweep: Sweep) -> dict[str, Any]:
     interrupted = ended < len(grid) or len(grid) < sweep.spec.trial_count()
     settle_children(runs, completed, errored)
 
-    rows, table, png = write_report(record, runs, sweep.directory / REPORT_FILE)
-    parent.log_artifact(png)
-    best = next((r for r in rows if r["val_loss"] is not None), None)
-    if best is not None:
-        parent.log_metrics({"best/val_loss": best["val_loss"]}, step=0)
-    print(table, flush=True)
-    if interrupted:
-        print(
-            f"[raytrain-lm] sweep '{sweep.name}' interrupted; run the same command again to "
-            "resume it",
-            file=sys.stderr,
-            flush=True,
+    png = sweep.directory / REPORT_FILE
+    # MLflow uploads a local file: a sweep in a bucket draws its report here, then copies it
+    # there (the copy kept until the parent run is finished, which sends a delayed upload).
+    staging = tempfile.mkdtemp(prefix="raytrain-sweep-report-") if is_uri(png) else None
+    try:
+        drawn = Path(staging, REPORT_FILE) if staging else Path(png)
+        rows, table, _ = write_report(record, runs, drawn)
+        if staging:
+            RunDir(sweep.directory).write_bytes(drawn.read_bytes(), REPORT_FILE)
+        parent.log_artifact(drawn)
+        best = next((r for r in rows if r["val_loss"] is not None), None)
+        if best is not None:
+            parent.log_metrics({"best/val_loss": best["val_loss"]}, step=0)
+        print(table, flush=True)
+        if interrupted:
+            print(
+                f"[raytrain-lm] sweep '{sweep.name}' interrupted; run the same command again "
+                "to resume it",
+                file=sys.stderr,
+                flush=True,
+            )
+        parent.finish(
+            "KILLED" if interrupted else ("FAILED" if errors == len(grid) else "FINISHED")
         )
-    parent.finish("KILLED" if interrupted else ("FAILED" if errors == len(grid) else "FINISHED"))
+    finally:
+        if staging:
+            shutil.rmtree(staging, ignore_errors=True)
     user_error = _first_user_error(grid)
     if user_error is not None:
         raise user_error
@@ -168,7 +187,7 @@ def _tuner(sweep: Sweep, base_cfg: RunConfig, trainable, runs: TrialRuns, concur
     """A new Tuner for `sweep`, or the one restored from its `tune/` folder."""
     tune_path = sweep.directory / TUNE_DIR
     space = param_space(sweep.spec.space, sweep.spec.scheduler.hyperparam_mutations)
-    if tune.Tuner.can_restore(str(tune_path)):
+    if tune.Tuner.can_restore(str(tune_path)):  # a local folder or a bucket URI alike
         print(f"[raytrain-lm] resuming sweep '{sweep.name}' from {tune_path}", flush=True)
         # Tune restores the RunConfig it pickled, with its CloseTrialRuns: that one closes the
         # same MLflow runs (the parent run id never changes), so nothing needs replacing, and
@@ -193,7 +212,7 @@ def _tuner(sweep: Sweep, base_cfg: RunConfig, trainable, runs: TrialRuns, concur
         ),
         run_config=tune.RunConfig(
             name=TUNE_DIR,
-            storage_path=str(sweep.directory),
+            storage_path=str(sweep.directory),  # a bucket URI: Tune writes there itself
             failure_config=tune.FailureConfig(max_failures=base_cfg.fault.max_failures),
             # Tune's checkpoints are pointers to the trials' own (see trial._report); PBT warns
             # below 3 (a donor's may go before the trials copying it have started).

@@ -8,10 +8,13 @@ matplotlib is imported where a picture is drawn: reading or running a sweep need
 
 from __future__ import annotations
 
+import io
 import math
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from raytrain_lm.rundir import Location, RunDir, is_uri
 
 LOSS_CURVE = "loss_curve.png"
 TOP_CURVES = 3
@@ -54,10 +57,11 @@ def plot_report(
     client,
     out: str | Path,
     log_keys: frozenset[str] = frozenset(),
-) -> Path:
+) -> Path | Location:
     """Val loss against each swept key (one panel each), then the val loss curves of the
     best trials. `rows` are ranked trials (`report.collect`). Keys in `log_keys` (sampled
-    log-uniformly) get a log axis, as do values that span more than a factor of 20."""
+    log-uniformly) get a log axis, as do values that span more than a factor of 20. `out` is
+    a local path or a bucket URI."""
     from matplotlib.figure import Figure
     from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter
 
@@ -109,6 +113,12 @@ def plot_report(
     for ax in axes[panels:]:
         ax.set_visible(False)
     fig.tight_layout()
+    if is_uri(out):  # a bucket: drawn in memory, then one object
+        drawn = io.BytesIO()
+        fig.savefig(drawn, format="png", dpi=100)
+        where = Location(str(out))
+        RunDir(where.parent).write_bytes(drawn.getvalue(), where.name)
+        return where
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100)

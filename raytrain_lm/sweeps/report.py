@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from raytrain_lm.errors import UserError
+from raytrain_lm.rundir import Location
 from raytrain_lm.sweeps.plots import plot_report
 from raytrain_lm.sweeps.record import REPORT_FILE, read_record
 from raytrain_lm.sweeps.runs import TAG_STOPPED_EARLY, TAG_TRIAL, TrialRuns
@@ -92,9 +93,9 @@ def format_table(rows: list[dict[str, Any]], keys: list[str]) -> str:
 
 def write_report(
     record: dict[str, Any], runs: TrialRuns, out: str | Path
-) -> tuple[list[dict[str, Any]], str, Path]:
-    """Ranks the trials of the sweep `record` describes and draws its PNG to `out`; returns
-    the ranked rows, the table text and the PNG path."""
+) -> tuple[list[dict[str, Any]], str, Path | Location]:
+    """Ranks the trials of the sweep `record` describes and draws its PNG to `out` (a local
+    path or a bucket URI); returns the ranked rows, the table text and the PNG's location."""
     keys = swept_keys(record)
     rows = collect(runs, keys)
     png = plot_report(rows, keys, runs.client, out, log_uniform_keys(record))
@@ -102,7 +103,8 @@ def write_report(
 
 
 def report(name: str, output_dir: str | Path = "runs", out: str | Path | None = None) -> dict:
-    """Ranks sweep `name`'s trials; returns the rows, the table text and the PNG path."""
+    """Ranks sweep `name`'s trials; returns the rows, the table text and the PNG's location
+    (`output_dir` and `out` may be bucket URIs)."""
     directory, record = read_record(name, output_dir)
     if not record.get("parent_run_id"):
         raise UserError(f"sweep '{name}' has no MLflow run yet (it never started)")

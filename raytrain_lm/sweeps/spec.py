@@ -8,9 +8,16 @@ import copy
 import json
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+)
 
 from raytrain_lm.config import (
     RUN_NAME_PATTERN,
@@ -24,6 +31,7 @@ from raytrain_lm.config import (
     set_dotted,
 )
 from raytrain_lm.errors import UserError
+from raytrain_lm.rundir import Location, is_uri, join
 
 KINDS = ("choice", "grid", "uniform", "loguniform", "randint")
 # What PBT may change when a trial continues from another trial's checkpoint: settings the
@@ -89,13 +97,23 @@ class SweepSpec(BaseModel):
 
 
 class Sweep(BaseModel):
-    """A validated sweep: its spec, the base run config as a tree, and where it lives."""
+    """A validated sweep: its spec, the base run config as a tree, and where it lives (an
+    absolute local folder or a bucket URI: `sweep_directory`)."""
 
     spec: SweepSpec
     name: str
     base: dict[str, Any]
     source: str
-    directory: Path
+    directory: Annotated[str, AfterValidator(Location)]
+
+
+def sweep_directory(output_dir: str | Path, name: str) -> Location:
+    """`<output_dir>/<name>`: under a bucket URI (`s3://`, `gs://`) as given, else the local
+    folder made absolute."""
+    output_dir = str(output_dir)
+    if is_uri(output_dir) and not output_dir.startswith("file://"):
+        return join(output_dir, name)
+    return Location(str(Path(output_dir.removeprefix("file://")).resolve() / name))
 
 
 def _origin_error(origin: str, message: str) -> UserError:
@@ -249,5 +267,5 @@ def load_sweep(path: str | Path, overrides: list[str] | None = None) -> Sweep:
     name = spec.name or file.stem
     if not re.fullmatch(RUN_NAME_PATTERN, name):
         raise UserError(f"{path}: sweep name '{name}' must match {RUN_NAME_PATTERN}; set name:")
-    directory = Path(cfg.output_dir).resolve() / name
+    directory = sweep_directory(cfg.output_dir, name)
     return Sweep(spec=spec, name=name, base=base, source=str(file.resolve()), directory=directory)

@@ -11,10 +11,10 @@ checkpoint before it starts (`_adopt`).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
-import shutil
 import tempfile
 import threading
 from pathlib import Path
@@ -28,6 +28,8 @@ from ray.util.queue import Empty, Queue
 
 from raytrain_lm.config import RunConfig, format_validation_error, set_dotted
 from raytrain_lm.errors import UserError, surface_user_errors
+from raytrain_lm.rundir import OUTAGE_RETRY_S, Location, RunDir, filesystem, is_uri, join, retrying
+from raytrain_lm.sweeps.record import record_start
 from raytrain_lm.sweeps.runs import TAG_PBT_DONOR, TAG_PBT_VALUES, TAG_SWEEP, TAG_TRIAL
 from raytrain_lm.trainer import faults
 
@@ -63,10 +65,21 @@ class ReportToTune(UserCallback):
 
     def after_report(self, run_context, metrics, checkpoint) -> None:
         item = dict(metrics[0])
-        item[POINTER_FILE] = checkpoint.path if checkpoint is not None else None
+        item[POINTER_FILE] = checkpoint_location(checkpoint) if checkpoint is not None else None
         # Blocks until the trial took the previous report: Tune's decisions (stop, pause)
         # come while the trial is at the step that caused them, as with TuneReportCallback.
         self.queue.put(item)
+
+
+# pyarrow's name of a bucket filesystem -> the scheme of its URIs (RunDir's locations)
+_SCHEMES = {"s3": "s3", "gcs": "gs"}
+
+
+def checkpoint_location(checkpoint) -> str:
+    """Where a persisted Ray checkpoint is, as RunDir names it: a local path, or a bucket URI
+    (Ray gives a bucket's path without its scheme, next to the filesystem it is in)."""
+    scheme = _SCHEMES.get(getattr(checkpoint.filesystem, "type_name", "local"))
+    return f"{scheme}://{checkpoint.path.lstrip('/')}" if scheme else checkpoint.path
 
 
 def _report(metrics: dict[str, Any], train_checkpoint: str | None) -> None:
@@ -99,21 +112,30 @@ def _forward_reports(queue, finished: threading.Event, errors: list[Exception]) 
             errors.append(exc)
 
 
-def _adopt(pointer: dict[str, Any], run_dir: Path) -> tuple[str, int] | None:
+def _same_folder(a: str, b: str) -> bool:
+    if is_uri(a) or is_uri(b):
+        return a.rstrip("/") == b.rstrip("/")
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
+def _adopt(pointer: dict[str, Any], run_dir: str) -> tuple[str, int] | None:
     """PBT's exploit: this trial continues from another trial's checkpoint. Copies it into
-    this trial's run directory as its only checkpoint (the trial's own are superseded), with
-    the donor's config as the run's saved config, so the run resumes from it (launch._fit
-    drops Ray Train's list of the removed checkpoints). Returns the
-    donor's run name and step, or None when the checkpoint is the trial's own."""
+    this trial's run directory (a local folder or a bucket URI, like the donor's) as its only
+    checkpoint (the trial's own are superseded), the marker last, with the donor's config as
+    the run's saved config, so the run resumes from it (launch._fit drops Ray Train's list of
+    the removed checkpoints). Returns the donor's run name and step, or None when the
+    checkpoint is the trial's own."""
     from raytrain_lm.trainer.checkpoint import (  # torch: only where a trial runs
         CONFIG_FILE,
         is_complete,
         latest_complete_checkpoint,
+        local_copy,
         read_state,
+        upload_checkpoint,
     )
 
-    source = Path(pointer["checkpoint"])
-    if source.parent.resolve() == run_dir.resolve():
+    source = Location(pointer["checkpoint"])
+    if _same_folder(source.parent, run_dir):
         return None  # a pause or a restore: the run resumes from its own newest checkpoint
     if not is_complete(source):
         # Pruned meanwhile (the donor trained on past checkpoint.keep_last): its newest.
@@ -122,13 +144,29 @@ def _adopt(pointer: dict[str, Any], run_dir: Path) -> tuple[str, int] | None:
             raise RuntimeError(f"PBT: no complete checkpoint left in {source.parent} to copy")
         print(f"[raytrain-lm] PBT: {source.name} was pruned; copying {newer.name} instead")
         source = newer
-    run_dir.mkdir(parents=True, exist_ok=True)
-    for own in run_dir.glob("checkpoint_*"):
-        shutil.rmtree(own, ignore_errors=True)
-    target = run_dir / source.name
-    shutil.copytree(source, target)
-    shutil.copyfile(source / CONFIG_FILE, run_dir / CONFIG_FILE)
-    return source.parent.name, read_state(target).step
+    run = RunDir(str(run_dir))
+    run.create()
+    for own in run.checkpoint_folders():
+        _delete_folder(own)
+    with local_copy(source) as local:
+        upload_checkpoint(local, run.at(source.name), OUTAGE_RETRY_S)
+        run.write_bytes((local / CONFIG_FILE).read_bytes(), CONFIG_FILE)
+        step = read_state(local).step
+    return source.parent.name, step
+
+
+def _delete_folder(location: str) -> None:
+    fs, inner = filesystem(location)
+
+    def delete() -> None:
+        with contextlib.suppress(FileNotFoundError):
+            fs.delete_dir(inner)
+
+    if is_uri(location):
+        retrying(delete, f"deleting {location}")
+    else:
+        with contextlib.suppress(OSError):  # as shutil.rmtree(ignore_errors=True) did
+            delete()
 
 
 def run_trial(values: dict[str, Any], context: dict[str, Any]) -> None:
@@ -150,15 +188,17 @@ def run_trial(values: dict[str, Any], context: dict[str, Any]) -> None:
     if checkpoint is not None:
         with checkpoint.as_directory() as directory:
             pointer = json.loads((Path(directory) / POINTER_FILE).read_text())
-        adopted = _adopt(pointer, Path(context["trials_dir"]) / name)
+        adopted = _adopt(pointer, join(context["trials_dir"], name))
     default_ray_env()
     if context.get("fault"):
         # Fault injection reaches trials the way it reaches `train`: through the environment
         # of the process that launches the Train run, which here is the trial's actor.
         os.environ[faults.ENV_VAR] = context["fault"]
-    with open(Path(context["trials_dir"]) / f"{name}.starts", "a", encoding="utf-8") as log:
-        log.write(json.dumps({"pid": os.getpid(), "job": ray.get_runtime_context().get_job_id()}))
-        log.write("\n")
+    record_start(
+        Location(context["trials_dir"]).parent,
+        name,
+        {"pid": os.getpid(), "job": ray.get_runtime_context().get_job_id()},
+    )
     tags = {
         TAG_SWEEP: context["name"],
         TAG_TRIAL: trial_id,

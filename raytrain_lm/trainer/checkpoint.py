@@ -9,23 +9,31 @@ do not keep the write order (Ray uploads a checkpoint's files in no particular o
 Complete is not the same as loadable: a file can keep its size and still be damaged. The
 marker therefore records each file's SHA-256 too, and a restore verifies them; a checkpoint
 that fails verification or loading is skipped for the one before it (`restore_newest`).
+
+Checkpoints are written to a local folder, then uploaded into the run directory (a local
+folder or a bucket) by `upload_checkpoint`, which retries while the bucket is away and writes
+the marker last. Reading one from a bucket downloads it to a local folder first.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import shutil
 import sys
-from collections.abc import Callable, Iterable
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import pyarrow.fs as pafs
 import torch
 from safetensors.torch import load_file, save_file
 
-from raytrain_lm.rundir import CHECKPOINT_PREFIX
 from raytrain_lm.rundir import CONFIG_FILE as CONFIG_FILE  # callers still import it from here
+from raytrain_lm.rundir import Location, RunDir, filesystem, is_uri, retrying
 
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
@@ -75,7 +83,8 @@ def save_checkpoint(
     texts: dict[str, str],
     partially_written: Callable[[], None] | None = None,
 ) -> None:
-    """Writes a complete checkpoint; `texts` are extra files by name (tokenizer, config)."""
+    """Writes a complete checkpoint to a local folder; `texts` are extra files by name
+    (tokenizer, config)."""
     directory.mkdir(parents=True, exist_ok=True)
     save_file(model_state(model), str(directory / MODEL_FILE))
     if partially_written is not None:
@@ -92,32 +101,77 @@ def save_checkpoint(
     (directory / MARKER_FILE).write_text(json.dumps({"files": files}, indent=1))
 
 
-def _listed_files(directory: Path) -> dict[str, dict] | None:
+# ---------------------------------------------------------------------------- upload
+
+
+def upload_checkpoint(
+    local: Path, destination: str, retry_for_s: float, deadline: float | None = None
+) -> None:
+    """Copies a checkpoint folder to `destination` (a local path or a bucket URI), the marker
+    last. A failed copy is retried with backoff for up to `retry_for_s` seconds (or until the
+    wall-clock `deadline`), then raises: the checkpoint stays incomplete there, never loaded."""
+    fs, inner = filesystem(destination)
+    files = sorted(p for p in local.iterdir() if p.is_file() and p.name != MARKER_FILE)
+    give_up = time.time() + retry_for_s
+    if deadline is not None:
+        give_up = min(give_up, deadline)
+    if not is_uri(destination):
+        fs.create_dir(inner, recursive=True)
+    for path in [*files, local / MARKER_FILE]:
+        retrying(
+            lambda path=path: _copy(path, fs, f"{inner}/{path.name}"),
+            f"upload of {path.name} to {destination}",
+            give_up,
+        )
+
+
+def _copy(path: Path, fs: pafs.FileSystem, target: str) -> None:
+    with open(path, "rb") as src, fs.open_output_stream(target) as dst:
+        shutil.copyfileobj(src, dst, 1 << 22)
+
+
+# ---------------------------------------------------------------------------- reading
+
+
+def _read(location: str, name: str) -> bytes | None:
+    fs, inner = filesystem(location)
     try:
-        files = json.loads((directory / MARKER_FILE).read_text())["files"]
+        with fs.open_input_stream(f"{inner}/{name}") as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
+
+
+def _listed_files(location: str) -> dict[str, dict] | None:
+    try:
+        files = json.loads(_read(location, MARKER_FILE) or b"")["files"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
     # Markers written before checksums were recorded list sizes only.
     return {k: v if isinstance(v, dict) else {"size": v} for k, v in files.items()}
 
 
-def is_complete(directory: str | Path) -> bool:
+def _sizes(location: str) -> dict[str, int]:
+    fs, inner = filesystem(location)
+    infos = fs.get_file_info(pafs.FileSelector(inner, allow_not_found=True))
+    return {i.base_name: i.size for i in infos if i.type == pafs.FileType.File}
+
+
+def is_complete(location: str | Path) -> bool:
     """Marker present and every listed file there at its size (cheap: no reading)."""
-    directory = Path(directory)
-    files = _listed_files(directory)
+    location = str(location)
+    files = _listed_files(location)
     if files is None:
         return False
-    for name, facts in files.items():
-        path = directory / name
-        if not path.is_file() or path.stat().st_size != facts["size"]:
-            return False
-    return True
+    sizes = _sizes(location)
+    return all(sizes.get(name) == facts["size"] for name, facts in files.items())
 
 
 def damage(directory: str | Path) -> str | None:
-    """What is wrong with a checkpoint (a file missing, cut short or altered), or None."""
+    """What is wrong with a checkpoint in a local folder (a file missing, cut short or
+    altered), or None."""
     directory = Path(directory)
-    files = _listed_files(directory)
+    files = _listed_files(str(directory))
     if files is None:
         return f"no readable {MARKER_FILE} marker"
     for name, facts in files.items():
@@ -131,19 +185,34 @@ def damage(directory: str | Path) -> str | None:
     return None
 
 
-def read_state(directory: str | Path) -> TrainState:
-    return TrainState(**json.loads((Path(directory) / STATE_FILE).read_text()))
+@contextlib.contextmanager
+def local_copy(location: str | Path) -> Iterator[Path]:
+    """A local folder holding the checkpoint at `location`: itself, or a download of it."""
+    location = str(location)
+    if not is_uri(location):
+        yield Path(location)
+        return
+    fs, inner = filesystem(location)
+    folder = Path(tempfile.mkdtemp(prefix="raytrain-checkpoint-"))
+    try:
+        pafs.copy_files(
+            inner, str(folder), source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem()
+        )
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
-def load_checkpoint(
-    directory: str | Path,
+def read_state(location: str | Path) -> TrainState:
+    return TrainState(**json.loads(_read(str(location), STATE_FILE) or b""))
+
+
+def _load_local(
+    directory: Path,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer | None,
     device: torch.device,
 ) -> TrainState:
-    directory = Path(directory)
-    if not is_complete(directory):
-        raise RuntimeError(f"checkpoint {directory} is incomplete (no {MARKER_FILE} marker)")
     load_model_state(model, load_file(str(directory / MODEL_FILE), device=str(device)))
     if optimizer is not None:
         optimizer.load_state_dict(
@@ -152,61 +221,75 @@ def load_checkpoint(
     return read_state(directory)
 
 
-def _by_step(folders: Iterable[Path]) -> list[Path]:
-    return sorted(folders, key=lambda p: (read_state(p).step, p.name))
+def load_checkpoint(
+    location: str | Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    device: torch.device,
+) -> TrainState:
+    if not is_complete(location):
+        raise RuntimeError(f"checkpoint {location} is incomplete (no {MARKER_FILE} marker)")
+    with local_copy(location) as directory:
+        return _load_local(directory, model, optimizer, device)
 
 
-def complete_checkpoints(run_dir: str | Path) -> list[Path]:
-    """Complete `checkpoint_*` folders Ray Train left in a run directory, oldest step first."""
-    found = Path(run_dir).glob(f"{CHECKPOINT_PREFIX}*")
-    return _by_step(p for p in found if p.is_dir() and is_complete(p))
+def _by_step(folders: Iterable[str]) -> list[Location]:
+    return sorted((Location(str(p)) for p in folders), key=lambda p: (read_state(p).step, p.name))
 
 
-def latest_complete_checkpoint(run_dir: str | Path) -> Path | None:
+def complete_checkpoints(run_dir: RunDir | str | Path) -> list[Location]:
+    """Complete checkpoint folders in a run directory, oldest step first."""
+    found = RunDir.coerce(run_dir).checkpoint_folders()
+    return _by_step(p for p in found if is_complete(p))
+
+
+def latest_complete_checkpoint(run_dir: RunDir | str | Path) -> Location | None:
     found = complete_checkpoints(run_dir)
     return found[-1] if found else None
 
 
-def ever_checkpointed(run_dir: str | Path) -> bool:
+def ever_checkpointed(run_dir: RunDir | str | Path) -> bool:
     """Whether any checkpoint of this run was finished once (its marker was written), even if
     none is complete or loadable now: starting such a run from step 0 would be wrong."""
-    return any((p / MARKER_FILE).is_file() for p in Path(run_dir).glob(f"{CHECKPOINT_PREFIX}*"))
+    run_dir = RunDir.coerce(run_dir)
+    return any(_read(p, MARKER_FILE) is not None for p in run_dir.checkpoint_folders())
 
 
 def restore_newest(
-    candidates: Iterable[Path],
+    candidates: Iterable[str | Path],
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     device: torch.device,
-) -> tuple[Path, TrainState] | None:
+) -> tuple[Location, TrainState] | None:
     """Loads the newest of `candidates` that verifies and loads; says why it skipped any."""
-    complete = {p.resolve(): p for p in candidates if is_complete(p)}
-    for directory in reversed(_by_step(complete.values())):
-        problem = damage(directory)
-        if problem is None:
-            try:
-                return directory, load_checkpoint(directory, model, optimizer, device)
-            except Exception as exc:  # damaged in a way the checksum could not see
-                problem = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    complete = {str(p): p for p in candidates if is_complete(p)}
+    for location in reversed(_by_step(complete)):
+        try:
+            with local_copy(location) as directory:
+                problem = damage(directory)
+                if problem is None:
+                    return location, _load_local(directory, model, optimizer, device)
+        except Exception as exc:  # damaged in a way the checksum could not see, or unreadable
+            problem = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         print(
-            f"[raytrain-lm] cannot restore {directory.name} ({problem}); trying the one before it",
+            f"[raytrain-lm] cannot restore {location.name} ({problem}); trying the one before it",
             file=sys.__stdout__,
             flush=True,
         )
     return None
 
 
-def best_checkpoint(run_dir: str | Path) -> Path | None:
+def best_checkpoint(run_dir: RunDir | str | Path) -> Location | None:
     """The complete checkpoint with the lowest val loss measured at its own step."""
     scored = []
-    for path in complete_checkpoints(run_dir):
-        state = read_state(path)
+    for location in complete_checkpoints(run_dir):
+        state = read_state(location)
         if state.val_loss is not None and state.val_step == state.step:
-            scored.append((state.val_loss, state.step, path))
+            scored.append((state.val_loss, state.step, location))
     return min(scored)[2] if scored else None
 
 
-def prune_checkpoints(run_dir: str | Path, keep_last: int, keep_best: bool) -> list[Path]:
+def prune_checkpoints(run_dir: RunDir | str | Path, keep_last: int, keep_best: bool) -> list[str]:
     """Deletes complete checkpoints beyond the newest `keep_last` (and the best by val loss).
 
     Incomplete folders are left alone: one may be an upload still in progress.
@@ -217,6 +300,8 @@ def prune_checkpoints(run_dir: str | Path, keep_last: int, keep_best: bool) -> l
     if best is not None:
         keep.add(best)
     removed = [p for p in found if p not in keep]
-    for path in removed:
-        shutil.rmtree(path, ignore_errors=True)
+    for location in removed:
+        fs, inner = filesystem(location)
+        with contextlib.suppress(OSError):
+            fs.delete_dir(inner)
     return removed

@@ -6,7 +6,7 @@
   like a lost machine) half-way through writing that step's checkpoint. A marker in the run
   directory keeps the fault from firing again after the restart it causes.
 - `kill-after-checkpoint:step=6:rank=0`: the same, just after that step's checkpoint was
-  reported (complete and on disk), before the next step.
+  reported and uploaded whole (that report waits for its upload), before the next step.
 - `slow-steps:seconds=0.05`: every step takes at least that long, so a test's node changes
   happen mid-run however fast the machine is.
 """
@@ -17,7 +17,8 @@ import os
 import signal
 import time
 from dataclasses import dataclass
-from pathlib import Path
+
+from raytrain_lm.rundir import RunDir
 
 ENV_VAR = "RAYTRAIN_LM_FAULT"
 
@@ -47,15 +48,20 @@ def from_environment() -> Fault | None:
     return parse(os.environ.get(ENV_VAR))
 
 
-def maybe_fire(fault: Fault | None, point: str, step: int, rank: int, run_dir: str | Path) -> None:
+def targets(fault: Fault | None, point: str, step: int) -> bool:
+    """Whether `fault` fires at `point` of `step` (on some rank)."""
+    return fault is not None and fault.point == point and fault.step in (None, step)
+
+
+def maybe_fire(fault: Fault | None, point: str, step: int, rank: int, run_dir: RunDir) -> None:
     if fault is None or fault.point != point:
         return
     if fault.step not in (None, step) or fault.rank not in (None, rank):
         return
-    marker = Path(run_dir) / f"fault-fired-{point}-{step}-{rank}"
-    if marker.exists():
+    marker = f"fault-fired-{point}-{step}-{rank}"
+    if run_dir.exists(marker):
         return
-    marker.write_text("fired\n")
+    run_dir.write_text("fired\n", marker)
     os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -1,8 +1,9 @@
 """Goodput: how much of a run's wall time and money went into steps that count.
 
-Everything is derived from an append-only event log in the run directory (`events.jsonl`)
-plus a heartbeat file that rank 0 overwrites as it steps. Events survive the processes that
-wrote them, so a restarted worker group (or a restarted driver) can account for what the
+Everything is derived from an event log in the run directory (`events/`, one object per
+event, so that writers on different nodes never touch the same object and a bucket needs no
+append) plus a heartbeat that rank 0 overwrites as it steps. Events survive the processes
+that wrote them, so a restarted worker group (or a restarted driver) can account for what the
 previous one lost:
 
 - `job_start` (driver): a `raytrain-lm train` invocation began.
@@ -21,35 +22,38 @@ beyond the checkpoint the next one restored. Cost: each group's lifetime x its h
 
 from __future__ import annotations
 
+import contextlib
 import json
-import os
+import sys
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from raytrain_lm.rundir import EVENTS_FILE, HEARTBEAT_FILE
+from raytrain_lm.rundir import EVENTS_DIR, HEARTBEAT_FILE, LEGACY_EVENTS_FILE, RunDir
 
 
-def append_event(run_dir: str | Path, event: str, **fields: Any) -> dict[str, Any]:
+def append_event(run_dir: RunDir | str | Path, event: str, **fields: Any) -> dict[str, Any]:
     record = {"event": event, "t": fields.pop("t", time.time()), **fields}
-    path = Path(run_dir) / EVENTS_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a", encoding="utf-8") as out:  # one short write: lines stay whole
-        out.write(json.dumps(record) + "\n")
+    run_dir = RunDir.coerce(run_dir)
+    run_dir.write_text(json.dumps(record), EVENTS_DIR, run_dir.new_object_name(".json"))
     return record
 
 
-def read_events(run_dir: str | Path) -> list[dict[str, Any]]:
-    path = Path(run_dir) / EVENTS_FILE
-    if not path.is_file():
-        return []
+def read_events(run_dir: RunDir | str | Path) -> list[dict[str, Any]]:
+    """Every event, in the order written (object names sort by their writer's clock)."""
+    run_dir = RunDir.coerce(run_dir)
     events = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
+    legacy = run_dir.read_text(LEGACY_EVENTS_FILE)
+    for line in (legacy or "").splitlines():
+        with contextlib.suppress(ValueError):  # a line cut short by a crash
             events.append(json.loads(line))
-        except ValueError:
-            continue  # a line cut short by a crash
+    for name in run_dir.list_files(EVENTS_DIR):
+        text = run_dir.read_text(EVENTS_DIR, name)
+        if text is not None:  # None: pruned between listing and reading
+            with contextlib.suppress(ValueError):
+                events.append(json.loads(text))
     return events
 
 
@@ -60,18 +64,58 @@ class Heartbeat:
     t: float
     step_seconds: float  # time spent in optimizer steps by this group so far
 
-    def write(self, run_dir: str | Path) -> None:
-        path = Path(run_dir) / HEARTBEAT_FILE
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(asdict(self)))
-        os.replace(tmp, path)  # readers never see half a heartbeat
+    def write(self, run_dir: RunDir | str | Path) -> None:
+        # One writer (rank 0), replaced whole: readers never see half a heartbeat.
+        RunDir.coerce(run_dir).write_text(json.dumps(asdict(self)), HEARTBEAT_FILE)
 
     @classmethod
-    def read(cls, run_dir: str | Path) -> Heartbeat | None:
+    def read(cls, run_dir: RunDir | str | Path) -> Heartbeat | None:
         try:
-            return cls(**json.loads((Path(run_dir) / HEARTBEAT_FILE).read_text()))
+            return cls(**json.loads(RunDir.coerce(run_dir).read_text(HEARTBEAT_FILE) or ""))
         except (OSError, ValueError, TypeError):
             return None
+
+
+class HeartbeatWriter:
+    """Writes rank 0's heartbeats from a thread of its own: a bucket PUT takes tens of
+    milliseconds, which no step should wait for. Only the newest unwritten beat is kept."""
+
+    def __init__(self, run_dir: RunDir):
+        self.run_dir = run_dir
+        self._pending: Heartbeat | None = None
+        self._closed = False
+        self._wake = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
+        self._thread.start()
+
+    def put(self, beat: Heartbeat) -> None:
+        with self._wake:
+            self._pending = beat
+            self._wake.notify()
+
+    def close(self, last: Heartbeat | None = None) -> None:
+        """Writes `last` (or what is pending) before returning."""
+        with self._wake:
+            if last is not None:
+                self._pending = last
+            self._closed = True
+            self._wake.notify()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while self._pending is None and not self._closed:
+                    self._wake.wait()
+                beat, self._pending = self._pending, None
+                closed = self._closed
+            if beat is not None:
+                try:
+                    beat.write(self.run_dir)
+                except OSError as exc:  # the bucket is away: the next beat tries again
+                    print(f"[raytrain-lm] heartbeat not written: {exc}", file=sys.__stdout__)
+            if closed and self._pending is None:
+                return
 
 
 @dataclass
@@ -104,7 +148,7 @@ class Goodput:
         return out
 
 
-def close_previous_segment(run_dir: str | Path) -> None:
+def close_previous_segment(run_dir: RunDir | str | Path) -> None:
     """Records how far the previous worker group got (its heartbeat) as its `segment_end`."""
     beat = Heartbeat.read(run_dir)
     if beat is None:

@@ -27,14 +27,23 @@ from raytrain_lm.placement import (
     release_resource_requests,
     worker_resources,
 )
-from raytrain_lm.rundir import RunDir
+from raytrain_lm.rundir import (
+    CONFIG_FILE,
+    RAY_TRAIN_SNAPSHOT,
+    SUMMARY_FILE,
+    TOKENIZER_FILE,
+    TRACKING_FILE,
+    RunDir,
+    is_uri,
+)
 from raytrain_lm.runtime import ensure_ray, use_gpu
-from raytrain_lm.storage import is_uri
+from raytrain_lm.storage import check_writable
 from raytrain_lm.tokenization import load_tokenizer
 from raytrain_lm.tracking import MLflowTracker
 from raytrain_lm.trainer import faults, signals
 from raytrain_lm.trainer.capacity import create_capacity_view, refresh_capacity_view
 from raytrain_lm.trainer.checkpoint import (
+    MODEL_FILE,
     TrainState,
     ever_checkpointed,
     latest_complete_checkpoint,
@@ -44,6 +53,7 @@ from raytrain_lm.trainer.goodput import append_event, close_previous_segment, re
 from raytrain_lm.trainer.plan import end_step
 from raytrain_lm.trainer.spec import TrackingTarget, WorkerSpec
 from raytrain_lm.trainer.stopping import GracefulStop, run_interruptibly
+from raytrain_lm.trainer.storage_checks import check_nodes_see
 
 # What defines a run: resuming with any of these changed would silently make a different run.
 IDENTITY_SECTIONS = ("model", "data", "optim")
@@ -69,18 +79,18 @@ def train(
     # Workers, trials and job drivers run in working directories of their own: every path
     # and the tracking store are pinned here, where the user's working directory is known.
     cfg = cfg.resolved()
-    storage = Path(cfg.output_dir)
-    run_dir = RunDir.of(storage, cfg.name)
-    _check_writable(storage)
+    run_dir = RunDir.of(cfg.output_dir, cfg.name)
+    _check_writable(cfg.output_dir)
     _check_resume_compatible(cfg, run_dir, may_change)
     check_inputs(cfg.data)  # what can be refused without Ray, before starting it
     if not cfg.data.prepared:
         _connect(cfg)  # sized for training, before prepare's Ray Data job would start a Ray
     data_dir = _prepared_data(cfg)
     _connect(cfg)
+    check_nodes_see(cfg, data_dir)
 
-    previous = latest_complete_checkpoint(run_dir.path)
-    checkpointed = ever_checkpointed(run_dir.path)
+    previous = latest_complete_checkpoint(run_dir)
+    checkpointed = ever_checkpointed(run_dir)
     if checkpointed and previous is None:
         raise UserError(
             f"run '{cfg.name}' has checkpoints in {run_dir} but none is complete; refusing to "
@@ -95,16 +105,16 @@ def train(
         )
     # Nothing is written before the tracking store answered: a run refused here leaves no trace.
     tracker = _open_tracking(cfg, run_dir, parent_run_id, tags)
-    run_dir.path.mkdir(parents=True, exist_ok=True)
-    run_dir.config.write_text(to_yaml(cfg))
+    run_dir.create()
+    run_dir.write_text(to_yaml(cfg), CONFIG_FILE)
     if tracker is not None:
-        run_dir.tracking.write_text(
-            json.dumps({"tracking_uri": tracker.uri, "mlflow_run_id": tracker.run_id})
-        )
+        record = {"tracking_uri": tracker.uri, "mlflow_run_id": tracker.run_id}
+        run_dir.write_text(json.dumps(record), TRACKING_FILE)
         tracker.log_params(flatten(cfg))
-        tracker.log_artifact(run_dir.config)
-        load_tokenizer(data_dir).save(run_dir.path)
-        tracker.log_artifact(run_dir.tokenizer)
+        run_dir.write_text(load_tokenizer(data_dir).to_json(), TOKENIZER_FILE)
+        with run_dir.local_files(CONFIG_FILE, TOKENIZER_FILE) as (config, tokenizer):
+            tracker.log_artifact(config)
+            tracker.log_artifact(tokenizer)
 
     spec = WorkerSpec(
         config=cfg,
@@ -160,15 +170,15 @@ def _train_until_done(spec: WorkerSpec, callbacks: list | None) -> bool:
     returns True). A group that ended itself for a spot notice is followed by a new one at
     once, on the nodes that stay; failures are Ray Train's to retry, within the budgets."""
     cfg, run_dir = spec.config, spec.run_dir
-    append_event(run_dir.path, "job_start", pid=os.getpid())
+    append_event(run_dir, "job_start", pid=os.getpid())
     handoffs = 0
     with GracefulStop(run_dir, cfg.fault.stop_timeout_s):
         while True:
             _fit(spec, callbacks)
-            reason = signals.handoff_reason(read_events(run_dir.path))
+            reason = signals.handoff_reason(read_events(run_dir))
             if reason == signals.STOP:
                 return True
-            reached = latest_complete_checkpoint(run_dir.path)
+            reached = latest_complete_checkpoint(run_dir)
             if reason != signals.PREEMPTION or reached is None:
                 return False
             if read_state(reached).step >= end_step(cfg.training):
@@ -194,13 +204,13 @@ def _publish(spec: WorkerSpec, tracker, started: float, stopped: bool) -> dict[s
     """The summary of the run as its newest checkpoint left it; with tracking, the final
     weights, tokenizer and summary as artifacts, and the MLflow run ended."""
     cfg, run_dir = spec.config, spec.run_dir
-    final = latest_complete_checkpoint(run_dir.path)
+    final = latest_complete_checkpoint(run_dir)
     if final is None:
         raise RuntimeError(f"training ended without a complete checkpoint in {run_dir}")
     state: TrainState = read_state(final)
-    close_previous_segment(run_dir.path)
+    close_previous_segment(run_dir)
     tokens_per_step = cfg.training.global_batch_size * cfg.model.block_size
-    goodput = summarize(read_events(run_dir.path)).metrics(state.tokens, tokens_per_step)
+    goodput = summarize(read_events(run_dir)).metrics(state.tokens, tokens_per_step)
     summary = {
         "run": cfg.name,
         "steps": state.step,
@@ -216,7 +226,7 @@ def _publish(spec: WorkerSpec, tracker, started: float, stopped: bool) -> dict[s
             k.removeprefix("goodput/").replace("/", "_"): round(v, 4) for k, v in goodput.items()
         },
     }
-    run_dir.summary.write_text(json.dumps(summary, indent=2))
+    run_dir.write_text(json.dumps(summary, indent=2), SUMMARY_FILE)
     if stopped:
         print(
             f"[raytrain-lm] run '{cfg.name}' stopped at step {state.step} with a checkpoint; "
@@ -225,11 +235,14 @@ def _publish(spec: WorkerSpec, tracker, started: float, stopped: bool) -> dict[s
         )
     if tracker is not None:
         tracker.log_metrics(goodput, step=state.step)
-        if not stopped:
-            tracker.log_artifact(final / "model.safetensors", "final")
-            tracker.log_artifact(final / "tokenizer.json", "final")
-        tracker.log_artifact(run_dir.summary)
-        tracker.finish("KILLED" if stopped else "FINISHED")
+        with RunDir(final).local_files(MODEL_FILE, TOKENIZER_FILE) as (weights, tokenizer):
+            if not stopped:
+                tracker.log_artifact(weights, "final")
+                tracker.log_artifact(tokenizer, "final")
+            with run_dir.local_files(SUMMARY_FILE) as (summary_file,):
+                tracker.log_artifact(summary_file)
+                # Deferred uploads (the store was away) read these files until then.
+                tracker.finish("KILLED" if stopped else "FINISHED")
     return summary
 
 
@@ -240,8 +253,12 @@ def _interrupted() -> bool:
 # ----------------------------------------------------------------------------- checks
 
 
-def _check_writable(directory: Path) -> None:
-    """Fails early if `directory` could not be created or written, leaving nothing behind."""
+def _check_writable(output_dir: str) -> None:
+    """Fails early if `output_dir` could not be created or written, leaving nothing behind."""
+    if is_uri(output_dir):
+        check_writable(output_dir, "output_dir")
+        return
+    directory = Path(output_dir)
     existing = directory
     while not existing.exists():
         existing = existing.parent
@@ -257,9 +274,10 @@ def _check_resume_compatible(
     cfg: RunConfig, run_dir: RunDir, may_change: tuple[str, ...] = ()
 ) -> None:
     """`may_change`: keys a PBT trial may resume with changed (see sweeps.PBT_MUTABLE)."""
-    if not run_dir.config.is_file():
+    saved_text = run_dir.read_text(CONFIG_FILE)
+    if saved_text is None:
         return
-    saved_tree = yaml.safe_load(run_dir.config.read_text())
+    saved_tree = yaml.safe_load(saved_text)
     with contextlib.suppress(ValueError):
         # Runs saved before paths were resolved on the driver name them relatively.
         saved_tree = yaml.safe_load(to_yaml(RunConfig.model_validate(saved_tree).resolved()))
@@ -291,8 +309,8 @@ def _open_tracking(
     if not cfg.tracking.enabled:
         return None
     uri = cfg.tracking.uri
-    record = run_dir.tracking
-    run_id = json.loads(record.read_text())["mlflow_run_id"] if record.is_file() else None
+    record = run_dir.read_text(TRACKING_FILE)
+    run_id = json.loads(record)["mlflow_run_id"] if record is not None else None
     return MLflowTracker.start(
         uri,
         cfg.tracking.experiment,
@@ -329,7 +347,7 @@ def _fit(spec: WorkerSpec, callbacks: list | None = None) -> None:
     # whose listed checkpoints are gone, as those we prune are (or a PBT trial's superseded
     # ones). The loop restores the newest complete checkpoint on disk itself, so Ray's list
     # is not needed to resume.
-    run_dir.ray_train_snapshot.unlink(missing_ok=True)
+    run_dir.delete(RAY_TRAIN_SNAPSHOT)
     trainer = TorchTrainer(
         lambda: train_loop_per_worker(spec),
         torch_config=TorchConfig(
@@ -338,7 +356,7 @@ def _fit(spec: WorkerSpec, callbacks: list | None = None) -> None:
         scaling_config=_scaling(cfg, gpu),
         run_config=RayRunConfig(
             name=cfg.name,
-            storage_path=str(run_dir.path.parent),
+            storage_path=str(run_dir.parent),
             # We prune (last K plus the best by val loss): Ray's own keeps only top-K by one score.
             checkpoint_config=CheckpointConfig(num_to_keep=None),
             failure_config=FailureConfig(

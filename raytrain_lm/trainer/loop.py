@@ -25,15 +25,16 @@ import ray.train
 import ray.train.torch
 import torch
 import torch.distributed as dist
+from ray.train import CheckpointUploadMode
 
 from raytrain_lm.config import RunConfig, to_yaml
-from raytrain_lm.data.ledger import discard_after
+from raytrain_lm.data import ledger
 from raytrain_lm.data.manifest import Manifest
 from raytrain_lm.data.order import SequenceOrder
 from raytrain_lm.data.stream import WorkerSlice, stream_train_batches
 from raytrain_lm.errors import UserError
 from raytrain_lm.models import build_model
-from raytrain_lm.rundir import CONFIG_FILE, LEDGER_DIR, TOKENIZER_FILE
+from raytrain_lm.rundir import CONFIG_FILE, TOKENIZER_FILE, filesystem
 from raytrain_lm.tokenization import load_tokenizer
 from raytrain_lm.tracking import MLflowTracker, NullTracker, Tracker
 from raytrain_lm.trainer import faults, hardware, signals
@@ -45,13 +46,21 @@ from raytrain_lm.trainer.checkpoint import (
     prune_checkpoints,
     restore_newest,
     save_checkpoint,
+    upload_checkpoint,
 )
 from raytrain_lm.trainer.evaluation import Evaluator, all_reduce_sum
-from raytrain_lm.trainer.goodput import Heartbeat, append_event, close_previous_segment, summarize
+from raytrain_lm.trainer.goodput import (
+    Heartbeat,
+    HeartbeatWriter,
+    append_event,
+    close_previous_segment,
+    summarize,
+)
 from raytrain_lm.trainer.plan import BatchPlan, end_step, learning_rate
 from raytrain_lm.trainer.progress import ProgressBar
 from raytrain_lm.trainer.spec import WorkerSpec
 from raytrain_lm.trainer.step import StepParts, StepResult, step_seed, train_step
+from raytrain_lm.trainer.storage_checks import check_worker_sees
 from raytrain_lm.trainer.watchdog import StepWatchdog
 
 HEARTBEAT_EVERY_S = 0.5
@@ -62,6 +71,7 @@ def train_loop_per_worker(spec: WorkerSpec) -> None:
     t_start = time.time()
     _quiet_ray_train_info_logs()
     context = ray.train.get_context()
+    check_worker_sees(str(spec.run_dir), spec.data_dir, spec.config.output_dir)
     worker = Worker(spec, context.get_world_rank(), context.get_world_size(), t_start)
     worker.restore(ray.train.get_checkpoint())
     worker.start()
@@ -107,6 +117,8 @@ class Worker:
         self.throughput = Throughput(first_step=0)
         self.ledger: list[np.ndarray] = []  # positions consumed since the last checkpoint
         self.last_report_step = 0
+        self.upload_deadline: float | None = None  # a spot notice's deadline (wall clock)
+        self.heartbeats: HeartbeatWriter | None = None  # rank 0's, from start()
         self.train_loss = float("nan")
         self.tick = time.perf_counter()
 
@@ -115,9 +127,9 @@ class Worker:
     def restore(self, offered) -> None:
         """Loads the newest checkpoint that verifies and loads. Rank 0 chooses (hashing each
         file once) and every rank loads its choice, so all ranks start from the same step."""
-        candidates = self.run_dir.checkpoint_folders()
-        if offered is not None and Path(offered.path).is_dir():
-            candidates.append(Path(offered.path))  # normally one of the run directory's own
+        candidates: list[str] = list(self.run_dir.checkpoint_folders())
+        if offered is not None and not self.run_dir.remote and Path(offered.path).is_dir():
+            candidates.append(offered.path)  # normally one of the run directory's own
         chosen: list[str | None] = [None]
         if self.is_chief:
             found = restore_newest(candidates, self.model, self.optimizer, self.device)
@@ -148,11 +160,12 @@ class Worker:
         group_price = all_reduce_sum([price.get(my_type, price.get("default", 0.0))], self.device)
         if self.is_chief:
             if self.cfg.training.ledger:
-                discard_after(self.run_dir.path, state.step)
-            close_previous_segment(self.run_dir.path)
+                ledger.discard_after(self.run_dir, state.step)
+            close_previous_segment(self.run_dir)
+            self.heartbeats = HeartbeatWriter(self.run_dir)
             self.events = [
                 append_event(
-                    self.run_dir.path,
+                    self.run_dir,
                     "segment_start",
                     segment=self.segment,
                     t_start=self.t_start,
@@ -201,12 +214,13 @@ class Worker:
             if progress is not None:
                 progress.update(state.step, metrics, force="val/loss" in metrics)
             if flags.raised and not last and self._ends_group(flags):
-                self._report_checkpoint()
+                self._report_checkpoint(final=True)
                 break
             if every.checkpoint.due(state.step, self.end_step):
-                self._report_checkpoint()
+                self._report_checkpoint(final=last)
                 self._restart_step_clock()
-        self._heartbeat()
+        if self.heartbeats is not None:
+            self.heartbeats.close(self._beat())
         self.watchdog.stop()
         self.tracker.flush()
 
@@ -324,6 +338,7 @@ class Worker:
             # driver restarts at once on the nodes that stay; steps taken while waiting for
             # the node to vanish would only be recomputed.
             reason = signals.PREEMPTION
+            self.upload_deadline = info.deadline_ms / 1000 if info.deadline_ms else None
             if self.is_chief:
                 ranks = sorted(info.preempted_ranks)
                 self.events.append(
@@ -339,8 +354,13 @@ class Worker:
         )
         return True
 
-    def _report_checkpoint(self) -> None:
-        """Writes the ledger and a checkpoint, and reports both to Ray Train."""
+    def _report_checkpoint(self, final: bool = False) -> None:
+        """Writes the ledger and a checkpoint, and reports both to Ray Train.
+
+        Periodic checkpoints upload in the background while training goes on (a bucket may
+        take minutes for a large one); the one a worker group ends with (the last step, a
+        stop, a spot notice) is uploaded before the group ends, within a spot notice's
+        deadline."""
         state = self.state
         # Metrics up to this step are stored before the checkpoint exists: a run resumed from
         # it never logs those steps again, and the worker may be stopped right after the
@@ -349,12 +369,12 @@ class Worker:
         state.world_size = self.world
         state.train_loss, state.tokens_per_s = self.train_loss, self.throughput.tokens_per_s
         if self.ledger:
-            # Positions consumed since the previous checkpoint, one file per rank and
-            # interval: a restart from step k discards files starting at or after k.
-            folder = self.run_dir.path / LEDGER_DIR
-            folder.mkdir(parents=True, exist_ok=True)
-            name = f"steps-{self.last_report_step:09d}-{state.step:09d}-rank{self.rank}.npy"
-            np.save(folder / name, np.concatenate(self.ledger))
+            # Positions consumed since the previous checkpoint, one object per rank and
+            # interval: a restart from step k discards those starting at or after k.
+            ledger.record(
+                self.run_dir, self.last_report_step, state.step, self.rank,
+                np.concatenate(self.ledger),
+            )  # fmt: skip
         report = {
             "step": state.step,
             "tokens": state.tokens,
@@ -362,44 +382,68 @@ class Worker:
             "val_loss": state.val_loss,
             "tokens_per_s": self.throughput.tokens_per_s,
         }
-        with tempfile.TemporaryDirectory() as tmp:
-            checkpoint = None
-            if self.is_chief:
-                save_checkpoint(
-                    Path(tmp),
-                    self.model,
-                    self.optimizer,
-                    state,
-                    {TOKENIZER_FILE: self.tokenizer_json, CONFIG_FILE: to_yaml(self.cfg)},
-                    partially_written=lambda: faults.maybe_fire(
-                        self.spec.fault,
-                        "kill-in-checkpoint",
-                        state.step,
-                        self.rank,
-                        self.run_dir.path,
-                    ),
-                )
-                checkpoint = ray.train.Checkpoint.from_directory(tmp)
-            ray.train.report(report, checkpoint=checkpoint)
+        checkpoint = None
+        if self.is_chief:
+            # Ray deletes this folder once it is uploaded (in the background, if async).
+            local = Path(tempfile.mkdtemp(prefix="raytrain-checkpoint-"))
+            save_checkpoint(
+                local,
+                self.model,
+                self.optimizer,
+                state,
+                {TOKENIZER_FILE: self.tokenizer_json, CONFIG_FILE: to_yaml(self.cfg)},
+                partially_written=lambda: faults.maybe_fire(
+                    self.spec.fault, "kill-in-checkpoint", state.step, self.rank, self.run_dir
+                ),
+            )
+            checkpoint = ray.train.Checkpoint.from_directory(str(local))
+        # A chaos test's kill after this checkpoint means after it is complete: wait for it.
+        final = final or faults.targets(self.spec.fault, "kill-after-checkpoint", state.step)
+        mode = CheckpointUploadMode.SYNC if final else CheckpointUploadMode.ASYNC
+        try:
+            ray.train.report(
+                report,
+                checkpoint=checkpoint,
+                checkpoint_upload_mode=mode,
+                checkpoint_upload_fn=self._upload,
+                delete_local_checkpoint_after_upload=True,
+            )
+        except OSError as exc:
+            if self.upload_deadline is None:
+                raise
+            _announce(f"the just-in-time checkpoint could not be saved in time: {exc}")
         if self.is_chief:
             c = self.cfg.checkpoint
-            prune_checkpoints(self.run_dir.path, c.keep_last, c.keep_best)
+            prune_checkpoints(self.run_dir, c.keep_last, c.keep_best)
         faults.maybe_fire(
-            self.spec.fault, "kill-after-checkpoint", state.step, self.rank, self.run_dir.path
+            self.spec.fault, "kill-after-checkpoint", state.step, self.rank, self.run_dir
         )
         self.last_report_step = state.step
         self.ledger = []
         self.watchdog.beat()
 
+    def _upload(self, checkpoint: ray.train.Checkpoint, name: str) -> ray.train.Checkpoint:
+        """Ray Train's upload step: ours writes the marker last and rides out a bucket outage
+        (see checkpoint.upload_checkpoint)."""
+        destination = self.run_dir.at(name)
+        upload_checkpoint(
+            Path(checkpoint.path),
+            destination,
+            self.cfg.checkpoint.upload_retry_s,
+            deadline=self.upload_deadline,
+        )
+        fs, inner = filesystem(destination)
+        return ray.train.Checkpoint(inner, filesystem=fs)
+
+    def _beat(self) -> Heartbeat:
+        return Heartbeat(self.segment, self.state.step, time.time(), self.throughput.step_seconds)
+
     def _heartbeat(self) -> None:
-        if self.is_chief:
-            beat = Heartbeat(
-                self.segment, self.state.step, time.time(), self.throughput.step_seconds
-            )
-            beat.write(self.run_dir.path)
+        if self.heartbeats is not None:
+            self.heartbeats.put(self._beat())
 
     def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
-        return append_event(self.run_dir.path, kind, **fields)
+        return append_event(self.run_dir, kind, **fields)
 
 
 @dataclass(frozen=True)

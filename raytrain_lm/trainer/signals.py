@@ -14,22 +14,30 @@ import json
 import time
 from typing import Any
 
-from raytrain_lm.rundir import RunDir
+import pyarrow.fs as pafs
+
+from raytrain_lm.rundir import STOP_FILE, RunDir, filesystem
 
 PREEMPTION = "preemption"
 STOP = "stop"
 
 
 def request_stop(run_dir: RunDir, why: str) -> None:
-    run_dir.stop_request.write_text(json.dumps({"t": time.time(), "why": why}))
+    run_dir.write_text(json.dumps({"t": time.time(), "why": why}), STOP_FILE)
 
 
 def clear_stop_request(run_dir: RunDir) -> None:
-    run_dir.stop_request.unlink(missing_ok=True)
+    run_dir.delete(STOP_FILE)
 
 
 def stop_requested(run_dir: RunDir) -> bool:
-    return run_dir.stop_request.is_file()
+    """Whether the driver asked for a stop; one look, no waiting: a bucket that does not
+    answer now is asked again at the next check."""
+    fs, inner = filesystem(run_dir.at(STOP_FILE))
+    try:
+        return fs.get_file_info(inner).type != pafs.FileType.NotFound
+    except OSError:
+        return False
 
 
 def handoff_reason(events: list[dict[str, Any]]) -> str | None:
