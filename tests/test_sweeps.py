@@ -387,60 +387,16 @@ def test_a_user_error_in_a_trial_reaches_the_caller_alone(ray_session, tiny_over
     assert not [r for r in children if r.info.status == "RUNNING"]
 
 
-def test_pbt_trials_continue_from_copied_checkpoints(ray_session, tiny_overrides, tmp_path):
-    """PBT, 2 trials perturbed together every 2 steps: the weaker trial continues from the
-    stronger one's checkpoint with a mutated learning rate, and each trial is one MLflow run
-    with the whole step history."""
-    path = _write_sweep(
-        tmp_path,
-        [*tiny_overrides, "training.max_steps=4"],
-        name="pbt",
-        num_samples=2,
-        seed=0,
-        space={"model.n_embd": {"choice": [32, 48]}},
-        scheduler={
-            "kind": "pbt",
-            "perturbation_interval": 2,
-            "synch": True,
-            "quantile_fraction": 0.5,
-            "hyperparam_mutations": {"optim.lr": {"loguniform": [1e-3, 1e-2]}},
-        },
-    )
-    summary = raytrain_lm.sweep(path)
-    assert summary["trials"] == 2 and summary["errored"] == 0 and not summary["interrupted"]
-    uri = next(o.split("=", 1)[1] for o in tiny_overrides if o.startswith("tracking.uri="))
-    client, children, parent = _children(uri, Path(summary["directory"]))
-    assert parent.info.status == "FINISHED"
-    assert len(children) == 2 and len({r.data.tags[TAG_TRIAL] for r in children}) == 2
-    names = {r.info.run_name for r in children}
-    all_runs = client.search_runs([parent.info.experiment_id], max_results=1000)
-    assert sorted(r.info.run_name for r in all_runs if r.info.run_name in names) == sorted(names)
-    copied = 0
-    for run in children:
-        assert run.info.status == "FINISHED", run.info
-        assert _steps(client, run.info.run_id) == [1, 2, 3, 4]
-        run_dir = Path(summary["directory"]) / TRIALS_DIR / run.info.run_name
-        saved = yaml.safe_load((run_dir / "config.yaml").read_text())
-        lr = json.loads(run.data.tags[TAG_PBT_VALUES])["optim.lr"]
-        assert 1e-3 <= lr <= 1e-2 and saved["optim"]["lr"] == lr  # trained with its value
-        donor = run.data.tags.get(TAG_PBT_DONOR)
-        if donor:
-            copied += 1
-            donor_name, step = donor.rsplit("@", 1)
-            assert donor_name in names - {run.info.run_name} and int(step) in (2, 4)
-            restored = [e["restored_step"] for e in read_events(run_dir) if "restored_step" in e]
-            assert int(step) == 4 or int(step) in restored, restored
-    assert copied >= 1  # the weaker trial took the stronger one's checkpoint at least once
-
-
 def test_a_pbt_sweep_keeps_everything_in_a_bucket(
     ray_session, s3, shared_dirs, tmp_path, monkeypatch
 ):
-    """output_dir and data.cache_dir in a bucket (a real S3-protocol server): the sweep's
-    record, Tune's state, the trials' run directories, checkpoints and starts, and the report
-    are objects there; the weaker PBT trial copies the stronger one's checkpoint bucket to
-    bucket; `sweep report` reads the sweep back from the bucket; and no local runs/ or data/
-    folder appears."""
+    """PBT, 2 trials perturbed together every 2 steps: the weaker trial continues from the
+    stronger one's checkpoint with a mutated learning rate, and each trial is one MLflow run
+    with the whole step history. With output_dir and data.cache_dir in a bucket (a real
+    S3-protocol server): the sweep's record, Tune's state, the trials' run directories,
+    checkpoints and starts, and the report are objects there; the checkpoint is copied bucket
+    to bucket; `sweep report` reads the sweep back from the bucket; and no local runs/ or data/
+    folder appears. (Local sweeps: the ASHA test; adoption shares its code with them.)"""
     bucket = s3.new_bucket("sweeps")
     monkeypatch.chdir(tmp_path)  # the default local folders would appear here
     path = _write_sweep(
@@ -474,8 +430,11 @@ def test_a_pbt_sweep_keeps_everything_in_a_bucket(
     assert any(k.startswith("tune/") for k in keys), keys  # Tune's storage_path
     assert any(k.startswith("data/") and k.endswith("/manifest.json") for k in s3.keys(bucket))
     client, children, parent = _children(f"sqlite:///{shared_dirs['mlflow']}", sweep_dir)
-    assert parent.info.status == "FINISHED" and len(children) == 2
+    assert parent.info.status == "FINISHED"
+    assert len(children) == 2 and len({r.data.tags[TAG_TRIAL] for r in children}) == 2
     names = {r.info.run_name for r in children}
+    all_runs = client.search_runs([parent.info.experiment_id], max_results=1000)
+    assert sorted(r.info.run_name for r in all_runs if r.info.run_name in names) == sorted(names)
     copied = 0
     for run in children:
         name = run.info.run_name
@@ -489,7 +448,7 @@ def test_a_pbt_sweep_keeps_everything_in_a_bucket(
         run_dir = f"{sweep_dir}/{TRIALS_DIR}/{name}"
         saved = yaml.safe_load(RunDir(run_dir).read_text("config.yaml"))
         lr = json.loads(run.data.tags[TAG_PBT_VALUES])["optim.lr"]
-        assert saved["optim"]["lr"] == lr  # trained with its value
+        assert 1e-3 <= lr <= 1e-2 and saved["optim"]["lr"] == lr  # trained with its value
         donor = run.data.tags.get(TAG_PBT_DONOR)
         if donor:
             copied += 1
