@@ -44,7 +44,7 @@ def test_metric_history_one_row_per_step_last_value_wins(tmp_path):
         ],
     )
     assert mlflow_run("logged", tmp_path / "runs") == (uri, run_id)
-    assert run_directory(run_dir) == run_dir
+    assert run_directory(run_dir).location == str(run_dir)
 
     history = raytrain_lm.metric_history("logged", output_dir=tmp_path / "runs")
     assert list(history.columns) == ["train/loss", "val/loss", "world_size"]

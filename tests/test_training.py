@@ -101,7 +101,7 @@ def test_a_run_that_cannot_resume_faithfully_is_refused(learned_run, tmp_path):
     checkpoints = complete_checkpoints(run_dir)
     assert len(checkpoints) == 2
     for checkpoint in checkpoints:
-        weights = checkpoint / "model.safetensors"
+        weights = Path(checkpoint) / "model.safetensors"
         weights.write_bytes(bytes(b ^ 0xFF for b in weights.read_bytes()))
     with pytest.raises(Exception) as raised:
         _run(overrides)
@@ -109,7 +109,7 @@ def test_a_run_that_cannot_resume_faithfully_is_refused(learned_run, tmp_path):
         find_user_error(raised.value)
     )
     for checkpoint in checkpoints:
-        with open(checkpoint / "model.safetensors", "r+b") as f:
+        with open(Path(checkpoint) / "model.safetensors", "r+b") as f:
             f.truncate(100)
     with pytest.raises(UserError, match="none is complete; refusing to start from step 0"):
         _run(overrides)
