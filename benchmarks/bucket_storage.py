@@ -219,7 +219,8 @@ def checkpoints(bucket: Bucket, work: Path, name: str, shape: dict[str, int], ro
     import torch
 
     from raytrain_lm.config import RunConfig, to_yaml
-    from raytrain_lm.rundir import CONFIG_FILE, TOKENIZER_FILE, RunDir, filesystem
+    from raytrain_lm.rundir import CONFIG_FILE, TOKENIZER_FILE, RunDir
+    from raytrain_lm.storage import filesystem
     from raytrain_lm.tokenization import ByteTokenizer
     from raytrain_lm.trainer.checkpoint import (
         TrainState,

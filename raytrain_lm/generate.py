@@ -12,7 +12,7 @@ from raytrain_lm.config import RunConfig
 from raytrain_lm.errors import UserError
 from raytrain_lm.model import GPT
 from raytrain_lm.models import build_model
-from raytrain_lm.rundir import filesystem, join
+from raytrain_lm.storage import filesystem, join
 from raytrain_lm.tokenization import Tokenizer, load_tokenizer
 from raytrain_lm.trainer.checkpoint import (
     CONFIG_FILE,

@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from raytrain_lm.errors import UserError
-from raytrain_lm.rundir import TRACKING_FILE, RunDir, is_uri, join
+from raytrain_lm.rundir import TRACKING_FILE, RunDir
+from raytrain_lm.storage import is_uri, join
 
 if TYPE_CHECKING:
     import pandas as pd

@@ -36,8 +36,7 @@ from typing import TypeVar
 
 import pyarrow.fs as pafs
 
-from raytrain_lm.storage import (  # noqa: F401  (also imported from here by run-state modules)
-    OUTAGE_RETRY_S,
+from raytrain_lm.storage import (
     Location,
     filesystem,
     is_uri,

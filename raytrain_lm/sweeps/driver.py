@@ -20,9 +20,9 @@ from ray import tune
 from raytrain_lm.config import RunConfig
 from raytrain_lm.data.prepare import prepare
 from raytrain_lm.errors import UserError, find_user_error
-from raytrain_lm.rundir import RunDir, is_uri
+from raytrain_lm.rundir import RunDir
 from raytrain_lm.runtime import ensure_ray, use_gpu
-from raytrain_lm.storage import check_writable
+from raytrain_lm.storage import check_writable, is_uri
 from raytrain_lm.sweeps.record import (
     REPORT_FILE,
     TRIALS_DIR,

@@ -14,7 +14,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from raytrain_lm.rundir import Location, RunDir, is_uri
+from raytrain_lm.rundir import RunDir
+from raytrain_lm.storage import Location, is_uri
 
 LOSS_CURVE = "loss_curve.png"
 TOP_CURVES = 3

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from raytrain_lm.errors import UserError
-from raytrain_lm.rundir import Location, RunDir, is_uri
+from raytrain_lm.rundir import RunDir
+from raytrain_lm.storage import Location, is_uri
 from raytrain_lm.sweeps.spec import Sweep, sweep_directory
 
 SWEEP_FILE = "sweep.json"

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from raytrain_lm.errors import UserError
-from raytrain_lm.rundir import Location
+from raytrain_lm.storage import Location
 from raytrain_lm.sweeps.plots import plot_report
 from raytrain_lm.sweeps.record import REPORT_FILE, read_record
 from raytrain_lm.sweeps.runs import TAG_STOPPED_EARLY, TAG_TRIAL, TrialRuns

@@ -31,7 +31,7 @@ from raytrain_lm.config import (
     set_dotted,
 )
 from raytrain_lm.errors import UserError
-from raytrain_lm.rundir import Location, is_uri, join
+from raytrain_lm.storage import Location, is_uri, join
 
 KINDS = ("choice", "grid", "uniform", "loguniform", "randint")
 # What PBT may change when a trial continues from another trial's checkpoint: settings the

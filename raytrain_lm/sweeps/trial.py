@@ -28,7 +28,8 @@ from ray.util.queue import Empty, Queue
 
 from raytrain_lm.config import RunConfig, format_validation_error, set_dotted
 from raytrain_lm.errors import UserError, surface_user_errors
-from raytrain_lm.rundir import OUTAGE_RETRY_S, Location, RunDir, filesystem, is_uri, join, retrying
+from raytrain_lm.rundir import RunDir
+from raytrain_lm.storage import OUTAGE_RETRY_S, Location, filesystem, is_uri, join, retrying
 from raytrain_lm.sweeps.record import record_start
 from raytrain_lm.sweeps.runs import TAG_PBT_DONOR, TAG_PBT_VALUES, TAG_SWEEP, TAG_TRIAL
 from raytrain_lm.trainer import faults

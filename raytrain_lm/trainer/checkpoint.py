@@ -33,7 +33,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from raytrain_lm.rundir import CONFIG_FILE as CONFIG_FILE  # callers still import it from here
-from raytrain_lm.rundir import Location, RunDir, filesystem, is_uri, retrying
+from raytrain_lm.rundir import RunDir
+from raytrain_lm.storage import Location, filesystem, is_uri, retrying
 
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"

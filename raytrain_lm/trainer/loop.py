@@ -34,7 +34,8 @@ from raytrain_lm.data.order import SequenceOrder
 from raytrain_lm.data.stream import WorkerSlice, stream_train_batches
 from raytrain_lm.errors import UserError
 from raytrain_lm.models import build_model
-from raytrain_lm.rundir import CONFIG_FILE, TOKENIZER_FILE, filesystem
+from raytrain_lm.rundir import CONFIG_FILE, TOKENIZER_FILE
+from raytrain_lm.storage import filesystem
 from raytrain_lm.tokenization import load_tokenizer
 from raytrain_lm.tracking import MLflowTracker, NullTracker, Tracker
 from raytrain_lm.trainer import faults, hardware, signals

@@ -16,7 +16,8 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
-from raytrain_lm.rundir import STOP_FILE, RunDir, filesystem
+from raytrain_lm.rundir import STOP_FILE, RunDir
+from raytrain_lm.storage import filesystem
 
 PREEMPTION = "preemption"
 STOP = "stop"
