@@ -8,13 +8,21 @@ from __future__ import annotations
 import re
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import pytest
 
+from raytrain_lm import storage
 from raytrain_lm.config import DataConfig
 from raytrain_lm.data.checks import check_inputs
-from raytrain_lm.data.manifest import MANIFEST_FILE, Manifest, read_shard, verify_shards
+from raytrain_lm.data.manifest import (
+    MANIFEST_FILE,
+    RACY_NS,
+    Manifest,
+    read_shard,
+    verify_shards,
+)
 from raytrain_lm.data.order import SequenceOrder
 from raytrain_lm.data.prepare import prepare
 from raytrain_lm.data.stream import WorkerSlice, stream_train_batches, validation_batches
@@ -46,6 +54,11 @@ def _splits(directory: str, manifest: Manifest) -> dict[str, list[list[int]]]:
 def _published_keys(manifest: Manifest) -> list[str]:
     files = [s.file for split in manifest.splits.values() for s in split.shards]
     return sorted([*files, MANIFEST_FILE, TOKENIZER_FILE])
+
+
+def _newest_mtime_ns(directory: str, files: list[str]) -> int:
+    fs, inner = storage.filesystem(directory)
+    return max(fs.get_file_info(f"{inner}/{f}").mtime_ns for f in files)
 
 
 def _keys(s3, uri: str) -> list[str]:
@@ -89,6 +102,11 @@ def test_prepare_publishes_to_a_bucket_and_workers_read_it_from_there(
     local = prepare(_cfg(source, str(tmp_path / "local")), progress=False)
     assert local.manifest.fingerprint == fingerprint
     assert _splits(prepared.directory, manifest) == _splits(local.directory, local.manifest)
+    # A stamp only vouches for shards older than its check by RACY_NS (object stores keep
+    # mtimes in whole seconds); on a fast machine the shards are younger than that here.
+    time.sleep(
+        max(0.0, _newest_mtime_ns(prepared.directory, shards) + RACY_NS - time.time_ns()) / 1e9
+    )
     assert verify_shards(prepared.directory, manifest) == len(shards)
     assert verify_shards(prepared.directory, manifest) == 0  # the stamp lives in the bucket
 
