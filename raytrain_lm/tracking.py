@@ -31,7 +31,7 @@ class Tracker(Protocol):
     def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None: ...
     def flush(self) -> None: ...
-    def finish(self, status: str = "FINISHED") -> None: ...
+    def finish(self, status: str | None = "FINISHED") -> None: ...
 
 
 class NullTracker:
@@ -49,7 +49,7 @@ class NullTracker:
     def flush(self) -> None:
         pass
 
-    def finish(self, status: str = "FINISHED") -> None:
+    def finish(self, status: str | None = "FINISHED") -> None:
         pass
 
 
@@ -270,10 +270,12 @@ class MLflowTracker:
         retried in the background."""
         self._attempt_and_wait(self._flush_wait_s)
 
-    def finish(self, status: str = "FINISHED", wait_s: float = 120.0) -> None:
+    def finish(self, status: str | None = "FINISHED", wait_s: float = 120.0) -> None:
         """Sends everything (waiting up to `wait_s` for a store that is down), then ends the
-        run. A store still down after that gets a warning, not an exception: the metrics stay
-        spooled on disk and are sent by the next tracker opened for this run."""
+        run with `status`, or leaves its status to its owner when None (a sweep's driver ends
+        its trials' runs). A store still down after that gets a warning, not an exception:
+        the metrics stay spooled on disk and are sent by the next tracker opened for this
+        run."""
         self._adopt_spools()
         deadline = time.monotonic() + wait_s
         while True:
@@ -282,7 +284,8 @@ class MLflowTracker:
                 left = self._unsent()
             if not left:
                 try:
-                    self.client.set_terminated(self.run_id, status=status)
+                    if status is not None:
+                        self.client.set_terminated(self.run_id, status=status)
                     break
                 except Exception as exc:
                     self._note_failure(exc)

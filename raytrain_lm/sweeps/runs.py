@@ -101,7 +101,8 @@ class CloseTrialRuns(Callback):
 
     def on_trial_complete(self, iteration, trials, trial, **info):
         # run_trial's last report says it trained to the end; without it, the scheduler
-        # stopped the trial (whose Train run may have marked its MLflow run FAILED as it went)
+        # stopped the trial. A trial ended that way leaves its run's status to us (launch.py);
+        # a FAILED one here was written by an older version, whose trials marked it so.
         stopped_early = not (trial.last_result or {}).get("done_steps")
         self._settle(trial.trial_id, "FINISHED", stopped_early=stopped_early)
 
@@ -124,8 +125,8 @@ class CloseTrialRuns(Callback):
 def settle_children(runs: TrialRuns, completed: dict[str, bool], errored: set[str]) -> None:
     """No child run stays RUNNING once the driver stops: finished (`completed` maps a trial
     to whether the scheduler stopped it early), failed, or otherwise KILLED until a restore
-    reopens it. An early-stopped trial's run may have been marked FAILED by the Train run the
-    scheduler ended: it is FINISHED."""
+    reopens it. An early-stopped trial's run marked FAILED (older versions did so as the
+    scheduler ended it) is FINISHED."""
     try:
         children = runs.children()
     except Exception as exc:

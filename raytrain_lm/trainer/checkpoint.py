@@ -280,14 +280,26 @@ def restore_newest(
     return None
 
 
+def _complete_with_states(run_dir: RunDir | str | Path) -> list[tuple[Location, TrainState]]:
+    """Complete checkpoints with their train states, oldest step first; each marker and
+    state is read once (in a bucket each read is a request)."""
+    found = RunDir.coerce(run_dir).checkpoint_folders()
+    with_states = [(Location(str(p)), read_state(p)) for p in found if is_complete(p)]
+    return sorted(with_states, key=lambda item: (item[1].step, item[0].name))
+
+
+def _best(with_states: list[tuple[Location, TrainState]]) -> Location | None:
+    scored = [
+        (state.val_loss, state.step, location)
+        for location, state in with_states
+        if state.val_loss is not None and state.val_step == state.step
+    ]
+    return min(scored)[2] if scored else None
+
+
 def best_checkpoint(run_dir: RunDir | str | Path) -> Location | None:
     """The complete checkpoint with the lowest val loss measured at its own step."""
-    scored = []
-    for location in complete_checkpoints(run_dir):
-        state = read_state(location)
-        if state.val_loss is not None and state.val_step == state.step:
-            scored.append((state.val_loss, state.step, location))
-    return min(scored)[2] if scored else None
+    return _best(_complete_with_states(run_dir))
 
 
 def prune_checkpoints(run_dir: RunDir | str | Path, keep_last: int, keep_best: bool) -> list[str]:
@@ -295,9 +307,10 @@ def prune_checkpoints(run_dir: RunDir | str | Path, keep_last: int, keep_best: b
 
     Incomplete folders are left alone: one may be an upload still in progress.
     """
-    found = complete_checkpoints(run_dir)
+    with_states = _complete_with_states(run_dir)
+    found = [location for location, _ in with_states]
     keep = set(found[-keep_last:])
-    best = best_checkpoint(run_dir) if keep_best else None
+    best = _best(with_states) if keep_best else None
     if best is not None:
         keep.add(best)
     removed = [p for p in found if p not in keep]

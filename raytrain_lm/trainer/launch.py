@@ -133,7 +133,10 @@ def train(
             stopped = _train_until_done(spec, callbacks)
         except BaseException:
             if tracker is not None:
-                tracker.finish("KILLED" if _interrupted() else "FAILED")
+                # A sweep's trial ends this way when its scheduler stops it too: its driver,
+                # which knows why, ends the run (a later FAILED here would overwrite that).
+                ended = "KILLED" if _interrupted() else "FAILED"
+                tracker.finish(None if parent_run_id is not None else ended)
             raise
     return _publish(spec, tracker, started, stopped)
 

@@ -413,9 +413,6 @@ class Worker:
             if self.upload_deadline is None:
                 raise
             _announce(f"the just-in-time checkpoint could not be saved in time: {exc}")
-        if self.is_chief:
-            c = self.cfg.checkpoint
-            prune_checkpoints(self.run_dir, c.keep_last, c.keep_best)
         faults.maybe_fire(
             self.spec.fault, "kill-after-checkpoint", state.step, self.rank, self.run_dir
         )
@@ -424,8 +421,10 @@ class Worker:
         self.watchdog.beat()
 
     def _upload(self, checkpoint: ray.train.Checkpoint, name: str) -> ray.train.Checkpoint:
-        """Ray Train's upload step: ours writes the marker last and rides out a bucket outage
-        (see checkpoint.upload_checkpoint)."""
+        """Ray Train's upload step (on a background thread for periodic checkpoints): ours
+        writes the marker last and rides out a bucket outage (see
+        checkpoint.upload_checkpoint), then prunes, which in a bucket is a few dozen requests
+        that the training thread need not wait for."""
         destination = self.run_dir.at(name)
         upload_checkpoint(
             Path(checkpoint.path),
@@ -433,6 +432,11 @@ class Worker:
             self.cfg.checkpoint.upload_retry_s,
             deadline=self.upload_deadline,
         )
+        c = self.cfg.checkpoint
+        try:
+            prune_checkpoints(self.run_dir, c.keep_last, c.keep_best)
+        except OSError as exc:  # the bucket went away after the upload: prune next time
+            _announce(f"pruning old checkpoints failed, will retry at the next one: {exc}")
         fs, inner = filesystem(destination)
         return ray.train.Checkpoint(inner, filesystem=fs)
 
