@@ -58,6 +58,10 @@ def test_isolated_nodes_train_from_a_bucket_and_refuse_a_local_folder(
     common = [
         *TINY,
         *cluster.overrides(),
+        # Workers on these nodes import torch in a namespace of their own; on a loaded machine
+        # a group of 3 took over LocalCluster's 15 s to start, and the run went on with 2.
+        # The shrink after a kill does not wait for this (see launch.py and capacity.py).
+        "fault.worker_start_timeout_s=120",
         f"data.cache_dir={bucket}/data",
         f"training.global_batch_size={GLOBAL_BATCH}",
         "training.ledger=true",

@@ -41,6 +41,7 @@ OPTIMIZER_FILE = "optimizer.pt"
 STATE_FILE = "train_state.json"
 MARKER_FILE = "COMPLETE"
 _HASH_CHUNK = 1 << 22
+DOWNLOAD_CHUNK = 1 << 26  # 64 MiB per ranged GET (and per copying thread's buffer)
 
 
 @dataclass
@@ -197,7 +198,13 @@ def local_copy(location: str | Path) -> Iterator[Path]:
     folder = Path(tempfile.mkdtemp(prefix="raytrain-checkpoint-"))
     try:
         pafs.copy_files(
-            inner, str(folder), source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem()
+            inner,
+            str(folder),
+            source_filesystem=fs,
+            destination_filesystem=pafs.LocalFileSystem(),
+            # Each read of a bucket file is a ranged GET that pays a round trip: the default
+            # 1 MiB made a 1.2 GB checkpoint 1,156 sequential requests.
+            chunk_size=DOWNLOAD_CHUNK,
         )
         yield folder
     finally:
@@ -280,11 +287,28 @@ def restore_newest(
     return None
 
 
-def _complete_with_states(run_dir: RunDir | str | Path) -> list[tuple[Location, TrainState]]:
+# A complete checkpoint does not change until it is pruned: what a prune read about one (its
+# marker, its state) holds for the next prune, which then lists the run directory and reads
+# only the new checkpoint. In a bucket that is a handful of requests, not a few per checkpoint.
+_complete_states: dict[str, TrainState] = {}
+
+
+def _complete_with_states(
+    run_dir: RunDir | str | Path, remembered: bool = False
+) -> list[tuple[Location, TrainState]]:
     """Complete checkpoints with their train states, oldest step first; each marker and
-    state is read once (in a bucket each read is a request)."""
-    found = RunDir.coerce(run_dir).checkpoint_folders()
-    with_states = [(Location(str(p)), read_state(p)) for p in found if is_complete(p)]
+    state is read once (`remembered`: once per process, see _complete_states)."""
+    with_states = []
+    for folder in RunDir.coerce(run_dir).checkpoint_folders():
+        location = Location(str(folder))
+        state = _complete_states.get(location) if remembered else None
+        if state is None:
+            if not is_complete(location):
+                continue
+            state = read_state(location)
+            if remembered:
+                _complete_states[location] = state
+        with_states.append((location, state))
     return sorted(with_states, key=lambda item: (item[1].step, item[0].name))
 
 
@@ -307,7 +331,7 @@ def prune_checkpoints(run_dir: RunDir | str | Path, keep_last: int, keep_best: b
 
     Incomplete folders are left alone: one may be an upload still in progress.
     """
-    with_states = _complete_with_states(run_dir)
+    with_states = _complete_with_states(run_dir, remembered=True)
     found = [location for location, _ in with_states]
     keep = set(found[-keep_last:])
     best = _best(with_states) if keep_best else None
@@ -315,6 +339,7 @@ def prune_checkpoints(run_dir: RunDir | str | Path, keep_last: int, keep_best: b
         keep.add(best)
     removed = [p for p in found if p not in keep]
     for location in removed:
+        _complete_states.pop(location, None)
         fs, inner = filesystem(location)
         with contextlib.suppress(OSError):
             fs.delete_dir(inner)
