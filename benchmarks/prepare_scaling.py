@@ -82,8 +82,8 @@ def main() -> None:
     counts = [int(n) for n in args.nodes.split(",")]
 
     import ray
+    from data_throughput import bare_encode_tokens  # the baseline both benchmarks use
     from ray.cluster_utils import Cluster
-    from tokenizers import Tokenizer as HFTokenizer
 
     from raytrain_lm.config import DataConfig
     from raytrain_lm.data.prepare import prepare
@@ -117,12 +117,7 @@ def main() -> None:
     def baseline() -> tuple[int, float]:
         os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread: one CPU's worth
         started = time.perf_counter()
-        hf = HFTokenizer.from_file(str(tokenizer_file))
-        n = sum(
-            len(e.ids) + 1  # + end-of-text, as prepare stores it
-            for i in range(0, len(texts), 256)
-            for e in hf.encode_batch(texts[i : i + 256], add_special_tokens=False)
-        )
+        n = bare_encode_tokens(tokenizer_file, texts)
         return n, time.perf_counter() - started
 
     def ours(source: Path, cache: Path) -> tuple[int, float]:
