@@ -247,8 +247,7 @@ def _by_step(folders: Iterable[str]) -> list[Location]:
 
 def complete_checkpoints(run_dir: RunDir | str | Path) -> list[Location]:
     """Complete checkpoint folders in a run directory, oldest step first."""
-    found = RunDir.coerce(run_dir).checkpoint_folders()
-    return _by_step(p for p in found if is_complete(p))
+    return [location for location, _ in _complete_with_states(run_dir)]
 
 
 def latest_complete_checkpoint(run_dir: RunDir | str | Path) -> Location | None:

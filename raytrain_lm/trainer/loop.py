@@ -423,8 +423,8 @@ class Worker:
     def _upload(self, checkpoint: ray.train.Checkpoint, name: str) -> ray.train.Checkpoint:
         """Ray Train's upload step (on a background thread for periodic checkpoints): ours
         writes the marker last and rides out a bucket outage (see
-        checkpoint.upload_checkpoint), then prunes, which in a bucket is a few dozen requests
-        that the training thread need not wait for."""
+        checkpoint.upload_checkpoint), then prunes, which in a bucket is a listing and a few
+        requests that the training thread need not wait for."""
         destination = self.run_dir.at(name)
         upload_checkpoint(
             Path(checkpoint.path),
