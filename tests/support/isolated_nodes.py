@@ -32,16 +32,22 @@ class IsolatedNode:
         resources: dict[str, float],
         num_cpus: int = 1,
     ):
+        self.address, self.hidden = address, hidden
+        self.resources, self.num_cpus = resources, num_cpus
+        self.process: subprocess.Popen | None = None
+        self._start()
+
+    def _start(self) -> None:
         self.temp_dir = tempfile.mkdtemp(prefix="rtlm-iso-", dir="/tmp")  # short socket paths
         ray = Path(sys.executable).parent / "ray"
-        mounts = [f"mount -t tmpfs -o size=1m tmpfs {shlex.quote(str(h))}" for h in hidden]
+        mounts = [f"mount -t tmpfs -o size=1m tmpfs {shlex.quote(str(h))}" for h in self.hidden]
         start = [
             str(ray),
             "start",
-            f"--address={address}",
+            f"--address={self.address}",
             "--block",
-            f"--num-cpus={num_cpus}",
-            f"--resources={json.dumps(resources)}",
+            f"--num-cpus={self.num_cpus}",
+            f"--resources={json.dumps(self.resources)}",
             f"--temp-dir={self.temp_dir}",
             "--disable-usage-stats",
         ]
@@ -54,17 +60,28 @@ class IsolatedNode:
             start_new_session=True,  # kill() ends the node's whole process group
         )
 
-    def wait_until_joined(self, node_count: int, timeout: float = 180) -> None:
-        """Waits until Ray lists `node_count` live nodes (this one among them)."""
+    def wait_until_joined(self, node_count: int, timeout: float = 180, attempts: int = 3) -> None:
+        """Waits until Ray lists `node_count` live nodes (this one among them). A node whose
+        Ray gives up while starting (a loaded 2-core machine can miss its fixed deadlines) is
+        started again, as `multinode._start_node` does, up to `attempts` times."""
         import ray
 
         deadline = time.time() + timeout
-        while sum(1 for n in ray.nodes() if n["Alive"]) < node_count:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"isolated node exited: {self.log.read_text()[-2000:]}")
-            if time.time() > deadline:
-                raise TimeoutError(f"isolated node not up after {timeout} s")
-            time.sleep(0.5)
+        for attempt in range(1, attempts + 1):
+            while sum(1 for n in ray.nodes() if n["Alive"]) < node_count:
+                if self.process.poll() is not None:
+                    break
+                if time.time() > deadline:
+                    raise TimeoutError(f"isolated node not up after {timeout} s")
+                time.sleep(0.5)
+            else:
+                return
+            failure = self.log.read_text()[-2000:]
+            if attempt == attempts:
+                raise RuntimeError(f"isolated node exited: {failure}")
+            print(f"isolated node exited while starting; retrying ({attempt}/{attempts})")
+            self.cleanup()
+            self._start()
 
     def kill(self) -> None:
         """Ends the node at once, like a machine that vanished."""
