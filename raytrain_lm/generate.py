@@ -8,9 +8,9 @@ import pyarrow.fs as pafs
 import torch
 import yaml
 
+from raytrain_lm.causal_lm import CausalLM
 from raytrain_lm.config import RunConfig
 from raytrain_lm.errors import UserError
-from raytrain_lm.model import GPT
 from raytrain_lm.models import build_model
 from raytrain_lm.storage import filesystem, join
 from raytrain_lm.tokenization import Tokenizer, load_tokenizer
@@ -47,7 +47,7 @@ def _is_folder(location: str) -> bool:
         return False
 
 
-def load_model(checkpoint: str | Path, device: str = "cpu") -> tuple[GPT, Tokenizer]:
+def load_model(checkpoint: str | Path, device: str = "cpu") -> tuple[CausalLM, Tokenizer]:
     from safetensors.torch import load_file
 
     with local_copy(checkpoint) as folder:

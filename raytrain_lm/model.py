@@ -14,6 +14,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from raytrain_lm.causal_lm import CausalLM, attention_flops_per_token
+
 
 @dataclass(frozen=True)
 class GPTShape:
@@ -86,10 +88,11 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
-class GPT(nn.Module):
+class GPT(CausalLM):
     def __init__(self, shape: GPTShape):
         super().__init__()
         self.shape = shape
+        self.block_size = shape.block_size
         self.transformer = nn.ModuleDict(
             dict(
                 wte=nn.Embedding(shape.vocab_size, shape.n_embd),
@@ -115,6 +118,10 @@ class GPT(nn.Module):
                 nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    @property
+    def blocks(self) -> nn.ModuleList:
+        return self.transformer.h
 
     def num_params(self, non_embedding: bool = True) -> int:
         n = sum(p.numel() for p in self.parameters())
@@ -144,37 +151,6 @@ class GPT(nn.Module):
     def flops_per_token(self) -> float:
         """Training FLOPs per token (forward + backward), PaLM appendix B: 6N + 12 L H Q T."""
         s = self.shape
-        return (
-            6 * self.num_params()
-            + 12 * s.n_layer * s.n_head * (s.n_embd // s.n_head) * s.block_size
+        return 6 * self.num_params() + attention_flops_per_token(
+            s.n_layer, s.n_head, s.n_embd // s.n_head, s.block_size
         )
-
-    def optimizer_groups(self, weight_decay: float) -> list[dict]:
-        """Decay matrices and embeddings; never biases or norm gains (as nanoGPT)."""
-        params = [p for p in self.parameters() if p.requires_grad]
-        return [
-            {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-        ]
-
-    @torch.no_grad()
-    def generate(
-        self,
-        idx: torch.Tensor,
-        max_new_tokens: int,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        generator: torch.Generator | None = None,
-    ) -> torch.Tensor:
-        """Autoregressive sampling; idx is (B, T) token ids, returns (B, T + max_new_tokens)."""
-        for _ in range(max_new_tokens):
-            idx_cond = idx[:, -self.shape.block_size :]
-            logits, _ = self(idx_cond)
-            logits = logits[:, -1, :].float() / max(temperature, 1e-6)
-            if top_k is not None:
-                v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
-                logits[logits < v[:, [-1]]] = -float("inf")
-            probs = F.softmax(logits, dim=-1)
-            idx_next = torch.multinomial(probs, num_samples=1, generator=generator)
-            idx = torch.cat((idx, idx_next), dim=1)
-        return idx

@@ -56,16 +56,31 @@ class TrainState:
     tokens_per_s: float | None = None
 
 
+def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
+    """Each name of a tied weight beyond its first (an output projection tied to the token
+    embedding) -> that first name."""
+    first: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            aliases[name] = first[id(param)]
+        else:
+            first[id(param)] = name
+    return aliases
+
+
 def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Weights without the tied duplicate (safetensors refuses shared storage)."""
+    """Weights, each tied weight once (safetensors refuses shared storage)."""
     state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
-    state.pop("lm_head.weight", None)  # tied to transformer.wte.weight
+    for alias in tied_aliases(model):
+        del state[alias]
     return state
 
 
 def load_model_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
     state = dict(state)
-    state["lm_head.weight"] = state["transformer.wte.weight"]
+    for alias, name in tied_aliases(model).items():
+        state[alias] = state[name]
     model.load_state_dict(state)
 
 
