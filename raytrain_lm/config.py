@@ -192,6 +192,11 @@ class TrainingConfig(_Section):
     seed: int = 1337
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     compile: bool = False
+    activation_checkpointing: Literal["none", "full", "selective"] = Field(
+        "none",
+        description="recompute activations in backward instead of keeping them: full (every "
+        "block) or selective (keep matmul and attention outputs, recompute the cheap rest)",
+    )
     sample_prompt: str = "def "
     sample_tokens: int = Field(200, ge=0)
     progress: bool = True

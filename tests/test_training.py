@@ -246,15 +246,19 @@ def test_restarts_at_other_world_sizes_match_an_uninterrupted_run(world_size_run
     number of workers each time, 2 -> 1 -> 3: a shrink, then a grow. The
     trained sequence positions are the uninterrupted 2-worker run's, each exactly once; the
     world size is logged at each (re)start; and every step's loss (steps 4-6 on 1 worker x 12
-    accumulation steps, 7-12 on 3 x 4) and the val loss are the uninterrupted run's in fp32."""
+    accumulation steps, 7-12 on 3 x 4) and the val loss are the uninterrupted run's in fp32.
+    The restarts also turn activation checkpointing on (full, then selective): it changes no
+    loss under DDP, and checkpoints load across the settings."""
     from raytrain_lm.data.ledger import read_ledger
 
     common, straight = world_size_runs["common"], world_size_runs["reference"]
     runs = world_size_runs["output_dir"]
     assert read_ledger(runs / "uninterrupted").tolist() == list(range(STEPS * BATCH))
     sizes, stops = (2, 1, 3), (3, 6, None)
-    for workers, stop in zip(sizes, stops, strict=True):
+    recomputation = ("none", "full", "selective")  # a memory setting a restart may change
+    for workers, stop, recompute in zip(sizes, stops, recomputation, strict=True):
         extra = [f"training.stop_after_step={stop}"] if stop else []
+        extra.append(f"training.activation_checkpointing={recompute}")
         summary = _run([*common, "name=resized", f"scaling.num_workers={workers}", *extra])
         assert summary["steps"] == (stop or STEPS)
     assert summary["tokens"] == straight["tokens"] == STEPS * BATCH * 32

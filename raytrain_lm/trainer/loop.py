@@ -59,6 +59,7 @@ from raytrain_lm.trainer.goodput import (
 )
 from raytrain_lm.trainer.plan import BatchPlan, end_step, learning_rate
 from raytrain_lm.trainer.progress import ProgressBar
+from raytrain_lm.trainer.recompute import apply_activation_checkpointing
 from raytrain_lm.trainer.spec import WorkerSpec
 from raytrain_lm.trainer.step import StepParts, StepResult, step_seed, train_step
 from raytrain_lm.trainer.storage_checks import check_worker_sees
@@ -97,6 +98,7 @@ class Worker:
         self.end_step = end_step(cfg.training)
         torch.manual_seed(cfg.training.seed)
         self.model = build_model(cfg.model, self.manifest.vocab_size).to(self.device)
+        apply_activation_checkpointing(self.model, cfg.training.activation_checkpointing)
         self.optimizer = hardware.build_adamw(
             self.model.optimizer_groups(cfg.optim.weight_decay),
             cfg.optim.lr,
