@@ -12,8 +12,9 @@ import torch.nn.functional as F
 
 
 class CausalLM(nn.Module):
-    """`forward(idx, targets)` -> (logits, loss); subclasses set `block_size` and give
-    `blocks`, the transformer blocks that sharding and activation recomputation wrap."""
+    """`forward(idx, targets)` -> (logits, loss); subclasses set `shape` (n_layer, n_head,
+    n_embd, block_size), `block_size` and `lm_head`, and give `blocks`, the transformer
+    blocks that sharding and activation recomputation wrap."""
 
     block_size: int
 
@@ -27,7 +28,22 @@ class CausalLM(nn.Module):
         raise NotImplementedError
 
     def flops_per_token(self) -> float:
-        raise NotImplementedError
+        """Training FLOPs per token (forward + backward), PaLM appendix B: 6N + 12 L H Q T."""
+        s = self.shape
+        return 6 * self.num_params() + attention_flops_per_token(
+            s.n_layer, s.n_head, s.n_embd // s.n_head, s.block_size
+        )
+
+    def logits_and_loss(
+        self, x: torch.Tensor, targets: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The output projection of the last hidden states x (B, T, C), and the loss against
+        targets (B, T); without targets (sampling) only the last position is projected."""
+        if targets is None:
+            return self.lm_head(x[:, [-1], :]), None  # (B, 1, vocab)
+        logits = self.lm_head(x)  # (B, T, vocab)
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1))
+        return logits, loss
 
     def optimizer_groups(self, weight_decay: float) -> list[dict]:
         """Decay matrices and embeddings; never biases or norm gains (as nanoGPT)."""

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from raytrain_lm.causal_lm import CausalLM, attention_flops_per_token
+from raytrain_lm.causal_lm import CausalLM
 
 
 @dataclass(frozen=True)
@@ -167,15 +167,4 @@ class Llama(CausalLM):
         for block in self.layers:
             x = block(x, cos, sin)
         x = self.norm(x)
-        if targets is None:
-            return self.lm_head(x[:, [-1], :]), None  # (B, 1, vocab): only the last position
-        logits = self.lm_head(x)  # (B, T, vocab)
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1))
-        return logits, loss
-
-    def flops_per_token(self) -> float:
-        """Training FLOPs per token (forward + backward), PaLM appendix B: 6N + 12 L H Q T."""
-        s = self.shape
-        return 6 * self.num_params() + attention_flops_per_token(
-            s.n_layer, s.n_head, s.head_dim, s.block_size
-        )
+        return self.logits_and_loss(x, targets)

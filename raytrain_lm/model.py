@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from raytrain_lm.causal_lm import CausalLM, attention_flops_per_token
+from raytrain_lm.causal_lm import CausalLM
 
 
 @dataclass(frozen=True)
@@ -142,15 +142,4 @@ class GPT(CausalLM):
         for block in self.transformer.h:
             x = block(x)
         x = self.transformer.ln_f(x)
-        if targets is None:
-            return self.lm_head(x[:, [-1], :]), None  # (B, 1, vocab): only the last position
-        logits = self.lm_head(x)  # (B, T, vocab)
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1))
-        return logits, loss
-
-    def flops_per_token(self) -> float:
-        """Training FLOPs per token (forward + backward), PaLM appendix B: 6N + 12 L H Q T."""
-        s = self.shape
-        return 6 * self.num_params() + attention_flops_per_token(
-            s.n_layer, s.n_head, s.n_embd // s.n_head, s.block_size
-        )
+        return self.logits_and_loss(x, targets)

@@ -3,6 +3,7 @@ import math
 import pytest
 import torch
 
+from raytrain_lm.llama import Llama, LlamaShape
 from raytrain_lm.model import GPT, GPTShape
 
 SHAPE = GPTShape(vocab_size=50, block_size=16, n_layer=2, n_head=2, n_embd=32)
@@ -20,9 +21,19 @@ def test_shapes_and_loss():
     assert logits.shape == (3, 1, 50) and loss is None
 
 
-def test_causality_future_tokens_do_not_change_the_past():
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda: GPT(SHAPE),
+        lambda: Llama(
+            LlamaShape(50, 16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, ffn_hidden=64)
+        ),
+    ],
+    ids=["gpt2", "llama"],
+)
+def test_causality_future_tokens_do_not_change_the_past(build):
     torch.manual_seed(0)
-    model = GPT(SHAPE).eval()
+    model = build().eval()
     a = torch.randint(0, 50, (1, 16))
     b = a.clone()
     b[0, 10:] = (b[0, 10:] + 1) % 50
