@@ -13,11 +13,11 @@ $(STAMP): pyproject.toml
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q --no-compile "$(TORCH_SPEC)"
 	$(PY) -m pip install -q --no-compile -e ".[dev]"
 	@# Bytecode for every installed module, compiled on both cores at once. Python writes none
-	@# where PYTHONDONTWRITEBYTECODE is set (as on our development and CI machines): every Ray worker, trainer
-	@# and CLI process would compile torch, Ray and MLflow from source again, which more than
-	@# doubled the CPU a tiny training run costs. Dependencies' own test folders are skipped;
-	@# `|| true`: a few files in their testing helpers are written for newer Pythons and cannot
-	@# compile, nor are they imported.
+	@# where PYTHONDONTWRITEBYTECODE is set (as on our development and CI machines): every Ray
+	@# worker, trainer and CLI process would compile torch, Ray and MLflow from source again,
+	@# which more than doubled the CPU a tiny training run costs. Dependencies' own test folders
+	@# are skipped; `|| true`: a few files in their testing helpers are written for newer
+	@# Pythons and cannot compile, nor are they imported.
 	$(PY) -m compileall -q -j 0 -x '/tests/' "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" > /dev/null || true
 	@touch $(STAMP)
 

@@ -13,10 +13,12 @@ import torch.nn.functional as F
 
 class CausalLM(nn.Module):
     """`forward(idx, targets)` -> (logits, loss); subclasses set `shape` (n_layer, n_head,
-    n_embd, block_size), `block_size` and `lm_head`, and give `blocks`, the transformer
-    blocks that sharding and activation recomputation wrap."""
+    n_embd, block_size) and `lm_head`, and give `blocks`, the transformer blocks that
+    sharding and activation recomputation wrap."""
 
-    block_size: int
+    @property
+    def block_size(self) -> int:
+        return self.shape.block_size
 
     @property
     def blocks(self) -> nn.ModuleList:

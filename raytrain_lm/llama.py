@@ -124,7 +124,6 @@ class Llama(CausalLM):
         if shape.n_embd % shape.n_head or shape.n_head % shape.n_kv_head:
             raise ValueError(f"heads must divide n_embd and n_kv_head must divide n_head: {shape}")
         self.shape = shape
-        self.block_size = shape.block_size
         self.embed_tokens = nn.Embedding(shape.vocab_size, shape.n_embd)
         self.layers = nn.ModuleList([LlamaBlock(shape) for _ in range(shape.n_layer)])
         self.norm = RMSNorm(shape.n_embd, shape.norm_eps)

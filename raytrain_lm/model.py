@@ -92,7 +92,6 @@ class GPT(CausalLM):
     def __init__(self, shape: GPTShape):
         super().__init__()
         self.shape = shape
-        self.block_size = shape.block_size
         self.transformer = nn.ModuleDict(
             dict(
                 wte=nn.Embedding(shape.vocab_size, shape.n_embd),
