@@ -35,7 +35,13 @@ MODEL = {"n_layer": 4, "n_head": 4, "n_embd": 256, "block_size": 256}
 
 
 def ours(
-    work: Path, name: str, workers: int, cpus_per_worker: int, steps: int, batch: int
+    work: Path,
+    name: str,
+    workers: int,
+    cpus_per_worker: int,
+    steps: int,
+    batch: int,
+    extra: tuple[str, ...] = (),
 ) -> float:
     overrides = [
         f"name={name}",
@@ -53,6 +59,7 @@ def ours(
         f"scaling.num_workers={workers}",
         f"scaling.cpus_per_worker={cpus_per_worker}",
         "optim.warmup_steps=5",
+        *extra,
     ]
     return raytrain_lm.train(load_config(None, overrides), sample=False)["tokens_per_s"]
 

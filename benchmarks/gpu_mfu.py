@@ -3,6 +3,9 @@
 
     PYTHONPATH=. python benchmarks/gpu_mfu.py            # on a machine with a GPU
     PYTHONPATH=. python benchmarks/gpu_mfu.py --steps 5 --n-layer 2 --n-embd 128  # CPU smoke test
+    # FSDP2 as the trainer applies it (per-block compile, bf16 gather, fp32 reduce), on a
+    # llama preset; under torchrun, sharded over the GPUs of the machine:
+    PYTHONPATH=. torchrun --nproc-per-node 1 benchmarks/gpu_mfu.py --strategy fsdp --preset 1b
 
 Needs only torch. Anchors: 45-55% MFU for models of this size on A100/H100.
 """
@@ -11,12 +14,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import torch
+import torch.distributed as dist
 
+from raytrain_lm.config import ModelConfig
 from raytrain_lm.model import GPT, GPTShape
+from raytrain_lm.models import build_model
 from raytrain_lm.trainer import hardware
+from raytrain_lm.trainer.parallel import shard_model
 
 
 def main() -> None:
@@ -31,16 +39,36 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--preset", choices=("125m", "1b", "7b"), help="a llama preset instead")
+    p.add_argument("--strategy", choices=("single", "fsdp"), default="single")
     args = p.parse_args()
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    cuda = torch.cuda.is_available()
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cuda else "cpu")
+    if cuda:
+        torch.cuda.set_device(device)
     hardware.configure_device(device)
     bf16 = hardware.use_bf16(device, "auto")
+    compile_model = not args.no_compile and device.type == "cuda"
     torch.manual_seed(0)
-    shape = GPTShape(args.vocab_size, args.block_size, args.n_layer, args.n_head, args.n_embd)
-    raw = GPT(shape).to(device)
+    if args.preset:
+        raw = build_model(ModelConfig(preset=args.preset, vocab_size=args.vocab_size), 0)
+        args.block_size = raw.block_size
+    else:
+        shape = GPTShape(args.vocab_size, args.block_size, args.n_layer, args.n_head, args.n_embd)
+        raw = GPT(shape)
+    raw = raw.to(device)
+    model = raw
+    if args.strategy == "fsdp":
+        if not dist.is_initialized():
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", "29533")
+            dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
+        shard_model(raw, device, world, bf16, compile_blocks=compile_model)
+    elif compile_model:
+        model = torch.compile(raw)
     optimizer = hardware.build_adamw(raw.optimizer_groups(0.1), 6e-4, (0.9, 0.95), device)
-    model = raw if args.no_compile or device.type != "cuda" else torch.compile(raw)
     data = torch.randint(0, args.vocab_size, (args.micro_batch, args.block_size + 1), device=device)
     x, y = data[:, :-1].contiguous(), data[:, 1:].contiguous()
 
@@ -53,7 +81,7 @@ def main() -> None:
             with hardware.autocast(device, bf16):
                 _, loss = model(x, y)
             (loss / args.accumulation).backward()
-        torch.nn.utils.clip_grad_norm_(raw.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(raw.parameters(), 1.0)  # DTensor-aware under fsdp
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if device.type == "cuda":
@@ -65,9 +93,15 @@ def main() -> None:
     flops = raw.flops_per_token() * tokens_per_s
     result = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "params_M": round(raw.num_params() / 1e6, 1),
+        "model": args.preset or "gpt2",
+        "strategy": args.strategy,
+        "world_size": world,
+        "params_M": round(raw.num_params(non_embedding=False) / 1e6, 1),
         "bf16": bf16,
-        "compiled": model is not raw,
+        "compiled": compile_model,
+        "peak_memory_GiB": round(torch.cuda.max_memory_allocated(device) / (1 << 30), 2)
+        if cuda
+        else None,
         "flash_sdpa": device.type == "cuda" and torch.backends.cuda.flash_sdp_enabled(),
         "tokens_per_s": round(tokens_per_s),
         "achieved_tflops": round(flops / 1e12, 2),
@@ -75,7 +109,10 @@ def main() -> None:
         "mfu": round(flops / hardware.peak_flops(device), 4),
         "loss": round(loss.detach().item(), 4),
     }
-    print("gpu_mfu: " + json.dumps(result))
+    if rank == 0:
+        print("gpu_mfu: " + json.dumps(result))
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -203,6 +203,25 @@ class TrainingConfig(_Section):
     ledger: bool = Field(False, description="record the global sequence indices each worker used")
 
 
+class ParallelConfig(_Section):
+    """How the model is spread over the workers (trainer/parallel.py; docs/parallelism.md)."""
+
+    strategy: Literal["ddp", "fsdp", "auto"] = Field(
+        "ddp",
+        description="ddp: a whole copy per worker; fsdp: weights, gradients and optimizer state "
+        "sharded over the workers; auto: fsdp when ddp's would not fit in one device",
+    )
+    reshard_after_forward: bool = Field(
+        True, description="fsdp: free gathered weights after forward (gather again for backward)"
+    )
+    auto_state_fraction: float = Field(
+        0.6,
+        gt=0.0,
+        le=1.0,
+        description="auto: share of a device that weights + gradients + AdamW may take under ddp",
+    )
+
+
 class ScalingConfig(_Section):
     num_workers: int = Field(2, ge=1, description="workers for a fixed-size run")
     min_workers: int | None = Field(
@@ -375,6 +394,7 @@ class RunConfig(_Section):
     data: DataConfig = Field(default_factory=DataConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
     training: TrainingConfig = Field(default_factory=TrainingConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     scaling: ScalingConfig = Field(default_factory=ScalingConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     fault: FaultConfig = Field(default_factory=FaultConfig)

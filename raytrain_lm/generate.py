@@ -22,6 +22,7 @@ from raytrain_lm.trainer.checkpoint import (
     load_model_state,
     local_copy,
 )
+from raytrain_lm.trainer.sharded import consolidated_weights
 
 
 def resolve_checkpoint(run_or_checkpoint: str, output_dir: str = "runs") -> str:
@@ -54,7 +55,10 @@ def load_model(checkpoint: str | Path, device: str = "cpu") -> tuple[CausalLM, T
         cfg = RunConfig.model_validate(yaml.safe_load((folder / CONFIG_FILE).read_text()))
         tokenizer = load_tokenizer(folder)
         model = build_model(cfg.model, tokenizer.vocab_size)
-        load_model_state(model, load_file(str(folder / MODEL_FILE), device=device))
+        if (folder / MODEL_FILE).is_file():
+            load_model_state(model, load_file(str(folder / MODEL_FILE), device=device))
+        else:  # a sharded checkpoint from before the end of a run: gathered here
+            model.load_state_dict(consolidated_weights(folder, model))
     return model.to(device).eval(), tokenizer
 
 

@@ -92,8 +92,9 @@ def learned_run(ray_session, tmp_path_factory, shared_dirs) -> dict:
     """One tracked 2-worker run, 40 steps (val loss and a checkpoint at steps 20 and 40), that
     the tests reading a finished run back share instead of each training its own. Its run
     directory is `output_dir / "learns"`; tests must not change it (copy it first). It is the
-    suite's llama run (grouped-query attention, untied output projection); the others train
-    the default gpt2."""
+    suite's llama run (grouped-query attention, untied output projection), sharded with FSDP:
+    its checkpoints are DCP shards, the last with the whole weights gathered. The others train
+    the default gpt2 under DDP."""
     import raytrain_lm
     from raytrain_lm.config import load_config
 
@@ -107,6 +108,7 @@ def learned_run(ray_session, tmp_path_factory, shared_dirs) -> dict:
         "model.arch=llama",
         "model.n_kv_head=1",
         "model.tie_embeddings=false",
+        "parallel.strategy=fsdp",
         "training.max_steps=40",
         "training.eval_every=20",
         "checkpoint.every_steps=20",

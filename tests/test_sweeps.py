@@ -396,7 +396,9 @@ def test_a_pbt_sweep_keeps_everything_in_a_bucket(
     S3-protocol server): the sweep's record, Tune's state, the trials' run directories,
     checkpoints and starts, and the report are objects there; the checkpoint is copied bucket
     to bucket; `sweep report` reads the sweep back from the bucket; and no local runs/ or data/
-    folder appears. (Local sweeps: the ASHA test; adoption shares its code with them.)"""
+    folder appears. The trials are sharded (FSDP): each rank uploads its own shards into the
+    bucket, and the adopted checkpoint is such a set. (Local sweeps: the ASHA test; adoption
+    shares its code with them.)"""
     bucket = s3.new_bucket("sweeps")
     monkeypatch.chdir(tmp_path)  # the default local folders would appear here
     path = _write_sweep(
@@ -407,6 +409,7 @@ def test_a_pbt_sweep_keeps_everything_in_a_bucket(
             f"data.cache_dir={bucket}/data",
             f"tracking.uri=sqlite:///{shared_dirs['mlflow']}",
             "training.max_steps=4",
+            "parallel.strategy=fsdp",
         ],
         name="cloud-pbt",
         num_samples=2,
@@ -445,6 +448,7 @@ def test_a_pbt_sweep_keeps_everything_in_a_bucket(
         assert f"{TRIALS_DIR}/{name}/config.yaml" in keys
         complete = [k for k in keys if k.startswith(f"{TRIALS_DIR}/{name}/checkpoint_")]
         assert any(k.endswith("/COMPLETE") for k in complete), keys
+        assert any(k.endswith("/__0_0.distcp") for k in complete), keys  # sharded
         run_dir = f"{sweep_dir}/{TRIALS_DIR}/{name}"
         saved = yaml.safe_load(RunDir(run_dir).read_text("config.yaml"))
         lr = json.loads(run.data.tags[TAG_PBT_VALUES])["optim.lr"]

@@ -4,7 +4,9 @@ A checkpoint directory holds the weights (safetensors), the optimizer state, the
 (step, tokens, data position), and the tokenizer and config that make it usable on its own.
 It is complete once its COMPLETE marker exists and every file the marker lists is there at
 its recorded size; the marker is written last, and listing the files also covers copies that
-do not keep the write order (Ray uploads a checkpoint's files in no particular order).
+do not keep the write order (Ray uploads a checkpoint's files in no particular order). A
+sharded checkpoint (sharded.py) is written by every rank: each lists its own files in a part
+marker, and the COMPLETE marker, listing them all, follows the last part.
 
 Complete is not the same as loadable: a file can keep its size and still be damaged. The
 marker therefore records each file's SHA-256 too, and a restore verifies them; a checkpoint
@@ -40,6 +42,8 @@ MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
 STATE_FILE = "train_state.json"
 MARKER_FILE = "COMPLETE"
+PART_PREFIX = "PART-"  # one rank's listing of the files it wrote into a sharded checkpoint
+PART_WAIT_POLL_S = 0.2
 _HASH_CHUNK = 1 << 22
 DOWNLOAD_CHUNK = 1 << 26  # 64 MiB per ranged GET (and per copying thread's buffer)
 
@@ -50,6 +54,7 @@ class TrainState:
     tokens: int = 0  # training tokens consumed
     position: int = 0  # next unconsumed sequence in the global order (see data/order.py)
     world_size: int = 0  # at the time of saving, for the log only: resume works at any size
+    strategy: str = "ddp"  # ddp: whole weights and optimizer state; fsdp: DCP shards
     val_loss: float | None = None
     val_step: int | None = None  # the step val_loss was measured at
     train_loss: float | None = None  # at this step, all ranks: the figures of the run so far
@@ -84,6 +89,23 @@ def load_model_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> 
     model.load_state_dict(state)
 
 
+def part_marker(rank: int) -> str:
+    return f"{PART_PREFIX}{rank}"
+
+
+def _is_marker(name: str) -> bool:
+    return name == MARKER_FILE or name.startswith(PART_PREFIX)
+
+
+def file_listing(directory: Path) -> dict[str, dict]:
+    """Every file of a local checkpoint folder but the markers: name -> size and SHA-256."""
+    return {
+        p.name: {"size": p.stat().st_size, "sha256": _sha256(p)}
+        for p in sorted(directory.iterdir())
+        if p.is_file() and not _is_marker(p.name)
+    }
+
+
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -110,11 +132,7 @@ def save_checkpoint(
     (directory / STATE_FILE).write_text(json.dumps(asdict(state)))
     for name, text in texts.items():
         (directory / name).write_text(text, encoding="utf-8")
-    files = {
-        p.name: {"size": p.stat().st_size, "sha256": _sha256(p)}
-        for p in sorted(directory.iterdir())
-        if p.is_file()
-    }
+    files = file_listing(directory)
     (directory / MARKER_FILE).write_text(json.dumps({"files": files}, indent=1))
 
 
@@ -122,24 +140,65 @@ def save_checkpoint(
 
 
 def upload_checkpoint(
-    local: Path, destination: str, retry_for_s: float, deadline: float | None = None
+    local: Path,
+    destination: str,
+    retry_for_s: float,
+    deadline: float | None = None,
+    gather_parts: int = 0,
 ) -> None:
-    """Copies a checkpoint folder to `destination` (a local path or a bucket URI), the marker
+    """Copies a checkpoint folder to `destination` (a local path or a bucket URI), its markers
     last. A failed copy is retried with backoff for up to `retry_for_s` seconds (or until the
-    wall-clock `deadline`), then raises: the checkpoint stays incomplete there, never loaded."""
+    wall-clock `deadline`), then raises: the checkpoint stays incomplete there, never loaded.
+
+    `gather_parts`: this is rank 0's part of a sharded checkpoint written by that many ranks;
+    once every rank's part marker is at `destination`, it writes the COMPLETE marker listing
+    all their files (waiting no longer than the retries would)."""
     fs, inner = filesystem(destination)
-    files = sorted(p for p in local.iterdir() if p.is_file() and p.name != MARKER_FILE)
+    files = sorted(p for p in local.iterdir() if p.is_file())
     give_up = time.time() + retry_for_s
     if deadline is not None:
         give_up = min(give_up, deadline)
     if not is_uri(destination):
         fs.create_dir(inner, recursive=True)
-    for path in [*files, local / MARKER_FILE]:
+    last = sorted((p for p in files if _is_marker(p.name)), key=lambda p: p.name == MARKER_FILE)
+    for path in [*(p for p in files if p not in last), *last]:
         retrying(
             lambda path=path: _copy(path, fs, f"{inner}/{path.name}"),
             f"upload of {path.name} to {destination}",
             give_up,
         )
+    if gather_parts:
+        listing = _gathered_parts(destination, gather_parts, give_up)
+        marker = json.dumps({"files": listing}, indent=1).encode()
+        retrying(
+            lambda: _write(marker, fs, f"{inner}/{MARKER_FILE}"),
+            f"writing {MARKER_FILE} in {destination}",
+            give_up,
+        )
+
+
+def _gathered_parts(destination: str, ranks: int, give_up: float) -> dict[str, dict]:
+    """All ranks' file listings, once every part marker is there."""
+    pending, listing = set(range(ranks)), {}
+    while True:
+        for rank in sorted(pending):
+            with contextlib.suppress(OSError, ValueError):
+                text = _read(destination, part_marker(rank))
+                if text is not None:
+                    listing.update(json.loads(text)["files"])
+                    pending.discard(rank)
+        if not pending:
+            return listing
+        if time.time() > give_up:
+            raise OSError(
+                f"checkpoint {destination}: ranks {sorted(pending)} did not finish their part"
+            )
+        time.sleep(PART_WAIT_POLL_S)
+
+
+def _write(data: bytes, fs: pafs.FileSystem, target: str) -> None:
+    with fs.open_output_stream(target) as dst:
+        dst.write(data)
 
 
 def _copy(path: Path, fs: pafs.FileSystem, target: str) -> None:
@@ -279,17 +338,22 @@ def ever_checkpointed(run_dir: RunDir | str | Path) -> bool:
 
 def restore_newest(
     candidates: Iterable[str | Path],
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
+    model: torch.nn.Module | None,
+    optimizer: torch.optim.Optimizer | None,
     device: torch.device,
+    load: Callable[[Path], TrainState] | None = None,
 ) -> tuple[Location, TrainState] | None:
-    """Loads the newest of `candidates` that verifies and loads; says why it skipped any."""
+    """Loads the newest of `candidates` that verifies and loads; says why it skipped any.
+    `load` replaces loading into `model` and `optimizer` (a sharded checkpoint, which all
+    ranks load together, is only verified here: `load=read_state`)."""
     complete = {str(p): p for p in candidates if is_complete(p)}
     for location in reversed(_by_step(complete)):
         try:
             with local_copy(location) as directory:
                 problem = damage(directory)
                 if problem is None:
+                    if load is not None:
+                        return location, load(directory)
                     return location, _load_local(directory, model, optimizer, device)
         except Exception as exc:  # damaged in a way the checksum could not see, or unreadable
             problem = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"

@@ -96,8 +96,16 @@ def train(
             f"run '{cfg.name}' has checkpoints in {run_dir} but none is complete; refusing to "
             "start from step 0 (remove the run directory to start afresh)"
         )
+    previous_strategy = None
     if previous is not None:
         state = read_state(previous)
+        previous_strategy = state.strategy
+        if cfg.parallel.strategy not in ("auto", state.strategy):
+            raise UserError(
+                f"run '{cfg.name}' was checkpointed with parallel.strategy={state.strategy}, "
+                f"now {cfg.parallel.strategy}; resume with {state.strategy} (or auto) or choose "
+                "another name=..."
+            )
         print(
             f"[raytrain-lm] resuming run '{cfg.name}' from {previous.name}: step {state.step}, "
             f"{state.tokens:,} tokens",
@@ -123,6 +131,7 @@ def train(
         tracking=TrackingTarget(tracker.uri, tracker.run_id) if tracker else None,
         expect_checkpoint=checkpointed,
         read_cpus=cfg.scaling.data_cpus / cfg.scaling.max_size,
+        checkpoint_strategy=previous_strategy,
         fault=faults.from_environment(),
     )
     stopped = False

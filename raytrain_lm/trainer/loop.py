@@ -45,11 +45,12 @@ from raytrain_lm.trainer.checkpoint import (
     TrainState,
     load_checkpoint,
     prune_checkpoints,
+    read_state,
     restore_newest,
     save_checkpoint,
     upload_checkpoint,
 )
-from raytrain_lm.trainer.evaluation import Evaluator, all_reduce_sum
+from raytrain_lm.trainer.evaluation import Evaluator, all_reduce_min, all_reduce_sum
 from raytrain_lm.trainer.goodput import (
     Heartbeat,
     HeartbeatWriter,
@@ -57,9 +58,17 @@ from raytrain_lm.trainer.goodput import (
     close_previous_segment,
     summarize,
 )
+from raytrain_lm.trainer.parallel import (
+    MemoryEstimate,
+    check_fits,
+    choose_strategy,
+    device_memory_bytes,
+    shard_model,
+)
 from raytrain_lm.trainer.plan import BatchPlan, end_step, learning_rate
 from raytrain_lm.trainer.progress import ProgressBar
 from raytrain_lm.trainer.recompute import apply_activation_checkpointing
+from raytrain_lm.trainer.sharded import load_sharded_checkpoint, save_sharded_checkpoint
 from raytrain_lm.trainer.spec import WorkerSpec
 from raytrain_lm.trainer.step import StepParts, StepResult, step_seed, train_step
 from raytrain_lm.trainer.storage_checks import check_worker_sees
@@ -99,6 +108,16 @@ class Worker:
         torch.manual_seed(cfg.training.seed)
         self.model = build_model(cfg.model, self.manifest.vocab_size).to(self.device)
         apply_activation_checkpointing(self.model, cfg.training.activation_checkpointing)
+        self.strategy = self._choose_strategy()
+        if self.sharded:
+            shard_model(
+                self.model,
+                self.device,
+                world,
+                self.bf16,
+                cfg.parallel.reshard_after_forward,
+                compile_blocks=cfg.training.compile,
+            )
         self.optimizer = hardware.build_adamw(
             self.model.optimizer_groups(cfg.optim.weight_decay),
             cfg.optim.lr,
@@ -125,22 +144,66 @@ class Worker:
         self.train_loss = float("nan")
         self.tick = time.perf_counter()
 
+    @property
+    def sharded(self) -> bool:
+        return self.strategy == "fsdp"
+
+    def _choose_strategy(self) -> str:
+        """parallel.strategy, with `auto` settled from the memory the group's state needs
+        against its smallest device; the same on every rank."""
+        setting = self.cfg.parallel.strategy
+        local_workers = ray.train.get_context().get_local_world_size()
+        device_bytes = all_reduce_min(device_memory_bytes(self.device, local_workers), self.device)
+        estimate = MemoryEstimate(
+            params=self.model.num_params(non_embedding=False),
+            world=self.world,
+            device_bytes=int(device_bytes),
+            fraction=self.cfg.parallel.auto_state_fraction,
+        )
+        strategy = choose_strategy(setting, estimate, self.spec.checkpoint_strategy)
+        check_fits(strategy, estimate)
+        if setting == "auto" or strategy == "fsdp":
+            how = "resumed as checkpointed" if self.spec.checkpoint_strategy else "chosen"
+            _announce(
+                f"parallel.strategy={strategy}"
+                + (f" ({how} by auto)" if setting == "auto" else "")
+                + f": {estimate.describe()}",
+                self.is_chief,
+            )
+        return strategy
+
     # ------------------------------------------------------------------------------ restore
 
     def restore(self, offered) -> None:
         """Loads the newest checkpoint that verifies and loads. Rank 0 chooses (hashing each
-        file once) and every rank loads its choice, so all ranks start from the same step."""
+        file once) and every rank loads its choice, so all ranks start from the same step.
+        A sharded checkpoint is loaded by all ranks together, each reading what its shards
+        need, so rank 0 only verifies it."""
         candidates: list[str] = list(self.run_dir.checkpoint_folders())
         if offered is not None and not self.run_dir.remote and Path(offered.path).is_dir():
             candidates.append(offered.path)  # normally one of the run directory's own
         chosen: list[str | None] = [None]
         if self.is_chief:
-            found = restore_newest(candidates, self.model, self.optimizer, self.device)
+            found = restore_newest(
+                candidates,
+                self.model,
+                self.optimizer,
+                self.device,
+                load=read_state if self.sharded else None,
+            )
             if found is not None:
                 chosen[0], self.state = str(found[0]), found[1]
+                if self.state.strategy != self.strategy:
+                    raise UserError(
+                        f"checkpoint {found[0]} was written with parallel.strategy="
+                        f"{self.state.strategy}; this run uses {self.strategy}"
+                    )
         if dist.is_initialized() and self.world > 1:
             dist.broadcast_object_list(chosen, src=0)
-            if not self.is_chief and chosen[0] is not None:
+        if chosen[0] is not None:
+            if self.sharded:
+                self.state = load_sharded_checkpoint(chosen[0], self.model, self.optimizer)
+            elif not self.is_chief:
                 self.state = load_checkpoint(chosen[0], self.model, self.optimizer, self.device)
         if chosen[0] is None and self.spec.expect_checkpoint:
             raise UserError(
@@ -285,9 +348,10 @@ class Worker:
 
     def _step_parts(self) -> StepParts:
         model = self.model
-        if self.cfg.training.compile:
-            model = torch.compile(model)
-        model = ray.train.torch.prepare_model(model, move_to_device=False)
+        if not self.sharded:  # sharded: compiled per block and wrapped in place already
+            if self.cfg.training.compile:
+                model = torch.compile(model)
+            model = ray.train.torch.prepare_model(model, move_to_device=False)
         return StepParts(
             model, self.model, self.optimizer, self.plan, self.device, self.bf16,
             self.cfg.optim.grad_clip,
@@ -305,6 +369,7 @@ class Worker:
             world=self.world,
             device=self.device,
             bf16=self.bf16,
+            same_count_on_every_rank=self.sharded,
         )
 
     def _batches(self):
@@ -369,7 +434,7 @@ class Worker:
         # it never logs those steps again, and the worker may be stopped right after the
         # report (a resize, or Tune pausing or cloning a trial).
         self.tracker.flush()
-        state.world_size = self.world
+        state.world_size, state.strategy = self.world, self.strategy
         state.train_loss, state.tokens_per_s = self.train_loss, self.throughput.tokens_per_s
         if self.ledger:
             # Positions consumed since the previous checkpoint, one object per rank and
@@ -386,7 +451,14 @@ class Worker:
             "tokens_per_s": self.throughput.tokens_per_s,
         }
         checkpoint = None
-        if self.is_chief:
+        texts = {TOKENIZER_FILE: self.tokenizer_json, CONFIG_FILE: to_yaml(self.cfg)}
+        if self.sharded:  # every rank writes its shards; the whole weights at the end
+            local = Path(tempfile.mkdtemp(prefix="raytrain-checkpoint-"))
+            save_sharded_checkpoint(
+                local, self.model, self.optimizer, state, texts, self.rank, full_weights=final
+            )
+            checkpoint = ray.train.Checkpoint.from_directory(str(local))
+        elif self.is_chief:
             # Ray deletes this folder once it is uploaded (in the background, if async).
             local = Path(tempfile.mkdtemp(prefix="raytrain-checkpoint-"))
             save_checkpoint(
@@ -394,7 +466,7 @@ class Worker:
                 self.model,
                 self.optimizer,
                 state,
-                {TOKENIZER_FILE: self.tokenizer_json, CONFIG_FILE: to_yaml(self.cfg)},
+                texts,
                 partially_written=lambda: faults.maybe_fire(
                     self.spec.fault, "kill-in-checkpoint", state.step, self.rank, self.run_dir
                 ),
@@ -433,10 +505,12 @@ class Worker:
             destination,
             self.cfg.checkpoint.upload_retry_s,
             deadline=self.upload_deadline,
+            gather_parts=self.world if self.sharded and self.is_chief else 0,
         )
         c = self.cfg.checkpoint
         try:
-            prune_checkpoints(self.run_dir, c.keep_last, c.keep_best)
+            if self.is_chief:
+                prune_checkpoints(self.run_dir, c.keep_last, c.keep_best)
         except OSError as exc:  # the bucket went away after the upload: prune next time
             _announce(f"pruning old checkpoints failed, will retry at the next one: {exc}")
         fs, inner = filesystem(destination)

@@ -23,4 +23,5 @@ class WorkerSpec:
     tracking: TrackingTarget | None  # rank 0 logs here; None: tracking disabled
     expect_checkpoint: bool  # the run checkpointed before: starting at step 0 would be wrong
     read_cpus: float  # CPUs each Ray Data read task of this worker's stream asks for
+    checkpoint_strategy: str | None = None  # the strategy its checkpoints were saved with
     fault: Fault | None = None  # fault injection for chaos tests (trainer/faults.py)

@@ -1,5 +1,9 @@
-"""One optimizer step of one worker: micro-batches forward and backward (gradients
-all-reduced once, on the last), clip, update. Pure PyTorch: no Ray here."""
+"""One optimizer step of one worker: micro-batches forward and backward, clip, update. Pure
+PyTorch: no Ray here.
+
+Under DDP gradients are all-reduced once, on the last micro-batch. Under FSDP each micro-batch's
+backward reduce-scatters: skipping it would keep whole unsharded gradients between micro-batches,
+the very memory sharding is for."""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch.distributed.tensor import DTensor
 
 from raytrain_lm.trainer import hardware
 from raytrain_lm.trainer.plan import BatchPlan
@@ -17,7 +22,7 @@ from raytrain_lm.trainer.plan import BatchPlan
 
 @dataclass(frozen=True)
 class StepParts:
-    model: torch.nn.Module  # as wrapped for training (DDP, compiled)
+    model: torch.nn.Module  # as wrapped for training (DDP, compiled; or sharded in place)
     raw_model: torch.nn.Module  # the model itself, for clipping and checkpoints
     optimizer: torch.optim.Optimizer
     plan: BatchPlan
@@ -67,6 +72,8 @@ def train_step(
         loss_sum += loss.detach()
     clip = parts.grad_clip if parts.grad_clip > 0 else float("inf")
     grad_norm = torch.nn.utils.clip_grad_norm_(parts.raw_model.parameters(), clip)
+    if isinstance(grad_norm, DTensor):  # sharded gradients: the norm over all shards
+        grad_norm = grad_norm.full_tensor()
     parts.optimizer.step()
     parts.optimizer.zero_grad(set_to_none=True)
     return StepResult(loss_sum / accumulation, grad_norm, positions, data_wait)

@@ -1,0 +1,135 @@
+"""How a model is spread over the workers, applied from outside the model (as torchtitan does).
+
+`ddp`: every worker holds the whole model, its gradients and its AdamW state; gradients are
+all-reduced once per step. `fsdp` (FSDP2, `fully_shard`): each worker holds 1/N of each of
+them; a block's parameters are all-gathered just before its forward and again for its backward,
+and its gradients are reduce-scattered. FSDP trades communication for memory, so `auto` picks
+it only when DDP's persistent state would not fit on one device (see `choose_strategy`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from raytrain_lm.causal_lm import CausalLM
+from raytrain_lm.errors import UserError
+
+# Persistent bytes per parameter while training with AdamW in fp32 master weights: the weight
+# (4), its gradient (4) and the two moments (8). Mixed precision adds only transient bf16 copies.
+STATE_BYTES_PER_PARAM = 16
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Parameters + gradients + optimizer state per device, against what a device has."""
+
+    params: int
+    world: int
+    device_bytes: int  # the smallest device of the group
+    fraction: float  # of a device the state may take; the rest is activations and buffers
+
+    def per_device(self, strategy: str) -> float:
+        full = STATE_BYTES_PER_PARAM * self.params
+        return full / self.world if strategy == "fsdp" else full
+
+    @property
+    def budget(self) -> float:
+        return self.fraction * self.device_bytes
+
+    def fits(self, strategy: str) -> bool:
+        return self.per_device(strategy) <= self.budget
+
+    def describe(self) -> str:
+        return (
+            f"{self.params / 1e6:,.1f}M parameters x {STATE_BYTES_PER_PARAM} B (weights, "
+            f"gradients, AdamW) = {self.per_device('ddp') / GIB:.2f} GiB per device under ddp, "
+            f"{self.per_device('fsdp') / GIB:.2f} GiB under fsdp at {self.world} workers; "
+            f"budget {self.fraction:.0%} of {self.device_bytes / GIB:.1f} GiB = "
+            f"{self.budget / GIB:.1f} GiB"
+        )
+
+
+def choose_strategy(setting: str, estimate: MemoryEstimate, previous: str | None) -> str:
+    """The strategy to train with: `setting` unless it is `auto`, in which case the one a run's
+    checkpoints were written with (`previous`), else ddp when its state fits, else fsdp."""
+    if setting != "auto":
+        return setting
+    if previous is not None:
+        return previous
+    return "ddp" if estimate.fits("ddp") else "fsdp"
+
+
+def check_fits(strategy: str, estimate: MemoryEstimate) -> None:
+    """Refuses a group whose state cannot fit even when sharded: it would fail at the first
+    step, or thrash, after minutes of start-up."""
+    if estimate.per_device(strategy) > estimate.device_bytes:
+        raise UserError(
+            f"the model does not fit under parallel.strategy={strategy}: {estimate.describe()}; "
+            "use more workers, parallel.strategy=fsdp, or a smaller model"
+        )
+
+
+def device_memory_bytes(device: torch.device, local_world_size: int) -> int:
+    """Memory of this worker's device; on CPU, the host's memory shared by its local workers."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return host // max(1, local_world_size)
+
+
+def shard_model(
+    model: CausalLM,
+    device: torch.device,
+    world: int,
+    bf16: bool,
+    reshard_after_forward: bool = True,
+    compile_blocks: bool = False,
+) -> None:
+    """FSDP2 in place: each block is a unit of gathering, then the root (embeddings, final
+    norm, output projection). Parameters become DTensors sharded on dim 0 over all workers.
+
+    With `bf16`, parameters are gathered in bf16 and gradients reduced in fp32 (the sharded
+    master weights stay fp32). The last block keeps its parameters gathered after forward:
+    its backward comes next, so freeing them would only gather them again at once.
+    """
+    mesh = init_device_mesh(device.type, (world,))
+    precision = MixedPrecisionPolicy()
+    if bf16:
+        precision = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    last = len(model.blocks) - 1
+    for i, block in enumerate(model.blocks):
+        if compile_blocks:
+            block.compile()  # in place: state dict names stay as they are
+        fully_shard(
+            block,
+            mesh=mesh,
+            mp_policy=precision,
+            reshard_after_forward=reshard_after_forward and i < last,
+        )
+    fully_shard(model, mesh=mesh, mp_policy=precision, reshard_after_forward=reshard_after_forward)
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    return isinstance(model, FSDPModule)
+
+
+def local_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes this worker holds of parameters, gradients and optimizer state (its shards)."""
+
+    def local_bytes(t: torch.Tensor) -> int:
+        t = t.to_local() if isinstance(t, DTensor) else t
+        return t.numel() * t.element_size()
+
+    params = list({id(p): p for p in model.parameters()}.values())
+    total = sum(local_bytes(p) for p in params)
+    total += sum(local_bytes(p.grad) for p in params if p.grad is not None)
+    for state in optimizer.state.values():
+        total += sum(local_bytes(v) for v in state.values() if isinstance(v, torch.Tensor))
+    return total

@@ -1,0 +1,129 @@
+"""The parallel strategies side by side, outside Ray: what tests/test_parallel.py measures.
+
+`python -m support.parallel_check OUT` (from tests/) runs as one of 2 gloo ranks (torchrun's
+environment variables); `reference(arch)` is the single-process run. Each run is our own
+`train_step` on the same global batch of 8 sequences (micro-batches of 2, so the 2-rank runs
+accumulate 2 each), 20 steps in fp32, from the same initial weights.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from raytrain_lm.llama import Llama, LlamaShape
+from raytrain_lm.model import GPT, GPTShape
+from raytrain_lm.trainer import hardware
+from raytrain_lm.trainer.checkpoint import TrainState
+from raytrain_lm.trainer.parallel import local_state_bytes, shard_model
+from raytrain_lm.trainer.plan import BatchPlan, learning_rate
+from raytrain_lm.trainer.sharded import load_sharded_checkpoint, save_sharded_checkpoint
+from raytrain_lm.trainer.step import StepParts, train_step
+
+VOCAB, SEQ, GLOBAL_BATCH, MICRO, STEPS, SAVE_AT = 64, 16, 8, 2, 20, 10
+ARCHS = {
+    "gpt2": lambda: GPT(GPTShape(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=2,
+                                 n_embd=32, dropout=0.0)),
+    "llama": lambda: Llama(LlamaShape(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=4,
+                                      n_kv_head=2, n_embd=32, ffn_hidden=64,
+                                      tie_embeddings=False)),
+}  # fmt: skip
+CPU = torch.device("cpu")
+
+
+def _micro_batches(step: int, rank: int, world: int):
+    # Counting up from a random start: learnable, so the losses fall.
+    starts = np.random.default_rng(step).integers(0, VOCAB, (GLOBAL_BATCH, 1))
+    tokens = (starts + np.arange(SEQ + 1)) % VOCAB
+    share = tokens[rank * GLOBAL_BATCH // world : (rank + 1) * GLOBAL_BATCH // world]
+    for i in range(0, len(share), MICRO):
+        yield np.arange(i, i + MICRO), share[i : i + MICRO]
+
+
+class Run:
+    """A model, its optimizer and its steps under one strategy."""
+
+    def __init__(self, arch: str, strategy: str, rank: int = 0, world: int = 1):
+        torch.manual_seed(0)
+        self.rank, self.world = rank, world
+        self.raw = ARCHS[arch]()
+        model = self.raw
+        if strategy == "fsdp":
+            shard_model(self.raw, CPU, world, bf16=False)
+        elif strategy == "ddp":
+            model = torch.nn.parallel.DistributedDataParallel(self.raw)
+        self.optimizer = hardware.build_adamw(
+            self.raw.optimizer_groups(0.1), 1e-2, (0.9, 0.95), CPU
+        )
+        plan = BatchPlan(world, GLOBAL_BATCH, MICRO, GLOBAL_BATCH // world // MICRO)
+        self.parts = StepParts(model, self.raw, self.optimizer, plan, CPU, False, 1.0)
+
+    def steps(self, first: int, last: int) -> list[float]:
+        losses = []
+        for step in range(first, last):
+            lr = learning_rate(step, 1e-2, 1e-3, 3, STEPS)
+            result = train_step(self.parts, _micro_batches(step, self.rank, self.world), lr)
+            loss = result.loss.detach().clone()
+            if self.world > 1:
+                dist.all_reduce(loss)
+            losses.append(loss.item() / self.world)
+        return losses
+
+    def state_bytes(self) -> int:
+        """Parameters + gradients + AdamW state held here, with the gradients of one backward
+        still in place (as between backward and the optimizer step)."""
+        (_, tokens), *_ = _micro_batches(0, self.rank, self.world)
+        t = torch.from_numpy(tokens)
+        self.parts.model(t[:, :-1], t[:, 1:])[1].backward()
+        held = local_state_bytes(self.raw, self.optimizer)
+        self.optimizer.zero_grad(set_to_none=True)
+        return held
+
+
+def reference(arch: str) -> list[float]:
+    return Run(arch, "single").steps(0, STEPS)
+
+
+def main(out: Path) -> None:
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    results = {}
+    for arch in ARCHS:
+        ddp = Run(arch, "ddp", rank, world)
+        ddp_losses = ddp.steps(0, STEPS)
+        fsdp = Run(arch, "fsdp", rank, world)
+        fsdp_losses = fsdp.steps(0, SAVE_AT)
+        folder = Path(tempfile.mkdtemp(prefix=f"sharded-{arch}-{rank}-"))
+        save_sharded_checkpoint(
+            folder, fsdp.raw, fsdp.optimizer, TrainState(step=SAVE_AT, strategy="fsdp"), {},
+            rank, full_weights=True,
+        )  # fmt: skip
+        fsdp_losses += fsdp.steps(SAVE_AT, STEPS)
+        resumed = Run(arch, "fsdp", rank, world)
+        # The one rank's folder that has DCP's metadata, with every rank's shards beside it:
+        # what the upload makes of the ranks' folders.
+        shared = out / f"checkpoint-{arch}"
+        shared.mkdir(exist_ok=True)
+        for f in folder.iterdir():
+            f.rename(shared / f.name)
+        dist.barrier()
+        state = load_sharded_checkpoint(shared, resumed.raw, resumed.optimizer)
+        results[arch] = {
+            "ddp": ddp_losses,
+            "fsdp": fsdp_losses,
+            "resumed": resumed.steps(state.step, STEPS),
+            "bytes_ddp": ddp.state_bytes(),
+            "bytes_fsdp": fsdp.state_bytes(),
+        }
+    (out / f"rank{rank}.json").write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
