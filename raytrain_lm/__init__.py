@@ -1,6 +1,6 @@
 """raytrain-lm: train language models on Ray clusters: elastic, spot-tolerant, fast."""
 
-from raytrain_lm.api import sweep, sweep_report, train
+from raytrain_lm.api import export, sweep, sweep_report, train
 from raytrain_lm.config import RunConfig, load_config
 from raytrain_lm.results import metric_history, sample
 
@@ -9,6 +9,7 @@ __all__ = [
     "train",
     "sweep",
     "sweep_report",
+    "export",
     "metric_history",
     "sample",
     "load_config",

@@ -68,4 +68,15 @@ def sweep_report(
     return report(name, output_dir, out)
 
 
-__all__ = ["train", "sweep", "sweep_report", "load_config", "RunConfig"]
+def export(
+    run: str | Path, out: str | Path, output_dir: str | Path = "runs", format: str = "hf"
+) -> Path:
+    """Writes a run's newest complete checkpoint (or the checkpoint folder `run`), trained with
+    either strategy, as a Hugging Face `transformers` model directory `out` (config.json,
+    safetensors weights, generation config, tokenizer): see docs/export.md."""
+    from raytrain_lm.export import export as _export
+
+    return _export(str(run), out, str(output_dir), format)
+
+
+__all__ = ["train", "sweep", "sweep_report", "export", "load_config", "RunConfig"]

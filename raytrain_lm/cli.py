@@ -1,4 +1,5 @@
-"""`raytrain-lm`: train, sweep, prepare, config show, generate, submit/status/logs/stop, cluster.
+"""`raytrain-lm`: train, sweep, prepare, config show, generate, export, submit/status/logs/stop,
+cluster.
 
 Overrides: `--set section.key=value` (repeatable) or the short form `--section.key=value`.
 User errors print one line and exit with status 2; nothing is written before validation.
@@ -118,6 +119,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--seed", type=int, default=0, help="the same seed gives the same text")
     gen.add_argument("--output-dir", default="runs")
+    export = commands.add_parser(
+        "export", help="write a run's model as a Hugging Face transformers directory"
+    )
+    export.add_argument("run", help="run name, run folder or checkpoint folder")
+    export.add_argument("--format", default="hf", choices=["hf"], help="hf: transformers")
+    export.add_argument("--out", required=True, help="folder to create (must not hold files)")
+    export.add_argument("--output-dir", default="runs")
     sweep = commands.add_parser(
         "sweep",
         help="run (or resume) a hyperparameter sweep: `sweep SWEEP.yaml`, `sweep report NAME`",
@@ -244,6 +252,13 @@ def run(argv: list[str]) -> int:
         return _run_cluster_command(args)
     if args.command == "sweep":
         return _run_sweep_command(args, short_overrides)
+    if args.command == "export":
+        from raytrain_lm.export import export
+
+        out = export(args.run, args.out, args.output_dir, args.format)
+        print(f"[raytrain-lm] exported {args.run} to {out} (load with transformers' "
+              f"AutoModelForCausalLM.from_pretrained)")  # fmt: skip
+        return 0
     if args.command == "generate":
         from raytrain_lm.generate import resolve_checkpoint, sample
 

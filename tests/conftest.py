@@ -116,3 +116,38 @@ def learned_run(ray_session, tmp_path_factory, shared_dirs) -> dict:
     ]
     summary = raytrain_lm.train(load_config(None, overrides), sample=False)
     return {"summary": summary, "overrides": overrides, "output_dir": output_dir}
+
+
+STEPS, BATCH = 12, 12  # the world-size runs: a global batch every world size from 1 to 4 divides
+
+
+@pytest.fixture(scope="session")
+def world_size_runs(ray_session, tmp_path_factory, shared_dirs) -> dict:
+    """The settings the world-size tests share, and an uninterrupted 2-worker DDP run of them
+    (2 workers x 6 accumulation steps of 1 sequence) that they compare against; it is also the
+    suite's trained gpt2 run that export reads (test_export.py)."""
+    import raytrain_lm
+    from raytrain_lm.config import load_config
+
+    output_dir = tmp_path_factory.mktemp("world-sizes") / "runs"
+    common = [
+        *TINY,
+        f"output_dir={output_dir}",
+        f"data.cache_dir={shared_dirs['data']}",
+        f"tracking.uri=sqlite:///{shared_dirs['mlflow']}",
+        f"training.global_batch_size={BATCH}",
+        "training.micro_batch_size=1",
+        f"training.max_steps={STEPS}",
+        f"training.eval_every={STEPS}",
+        "checkpoint.every_steps=3",
+        "training.ledger=true",
+        "training.precision=fp32",
+        "optim.lr=3e-3",
+        "data.shuffle_window_shards=1",
+        # 4 sharded workers then evaluate 16, 16, 16 and 15: the last pads its forward passes
+        # (each is a collective) and its sums still count 63
+        "training.eval_sequences=63",
+    ]
+    overrides = [*common, "name=uninterrupted", "scaling.num_workers=2"]
+    reference = raytrain_lm.train(load_config(None, overrides), sample=False)
+    return {"common": common, "reference": reference, "output_dir": output_dir}

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY
+from conftest import BATCH, STEPS
 from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
 
@@ -133,36 +133,6 @@ def test_a_run_that_cannot_resume_faithfully_is_refused(learned_run, tmp_path):
             f.truncate(100)
     with pytest.raises(UserError, match="none is complete; refusing to start from step 0"):
         _run(overrides)
-
-
-STEPS, BATCH = 12, 12  # a global batch every world size from 1 to 4 divides
-
-
-@pytest.fixture(scope="module")
-def world_size_runs(ray_session, tmp_path_factory, shared_dirs) -> dict:
-    """The settings the world-size tests share, and an uninterrupted 2-worker run of them
-    (2 workers x 6 accumulation steps of 1 sequence) that both compare against."""
-    output_dir = tmp_path_factory.mktemp("world-sizes") / "runs"
-    common = [
-        *TINY,
-        f"output_dir={output_dir}",
-        f"data.cache_dir={shared_dirs['data']}",
-        f"tracking.uri=sqlite:///{shared_dirs['mlflow']}",
-        f"training.global_batch_size={BATCH}",
-        "training.micro_batch_size=1",
-        f"training.max_steps={STEPS}",
-        f"training.eval_every={STEPS}",
-        "checkpoint.every_steps=3",
-        "training.ledger=true",
-        "training.precision=fp32",
-        "optim.lr=3e-3",
-        "data.shuffle_window_shards=1",
-        # 4 sharded workers then evaluate 16, 16, 16 and 15: the last pads its forward passes
-        # (each is a collective) and its sums still count 63
-        "training.eval_sequences=63",
-    ]
-    reference = _run([*common, "name=uninterrupted", "scaling.num_workers=2"])
-    return {"common": common, "reference": reference, "output_dir": output_dir}
 
 
 def test_ddp_equivalence_across_world_sizes(world_size_runs):
