@@ -74,7 +74,7 @@ def export(
     """Writes a run's newest complete checkpoint (or the checkpoint folder `run`), trained with
     either strategy, as a Hugging Face `transformers` model directory `out` (config.json,
     safetensors weights, generation config, tokenizer): see docs/export.md."""
-    from raytrain_lm.export import export as _export
+    from raytrain_lm.huggingface import export as _export
 
     return _export(str(run), out, str(output_dir), format)
 

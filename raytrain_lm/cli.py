@@ -253,7 +253,7 @@ def run(argv: list[str]) -> int:
     if args.command == "sweep":
         return _run_sweep_command(args, short_overrides)
     if args.command == "export":
-        from raytrain_lm.export import export
+        from raytrain_lm.huggingface import export
 
         out = export(args.run, args.out, args.output_dir, args.format)
         print(f"[raytrain-lm] exported {args.run} to {out} (load with transformers' "

@@ -76,7 +76,13 @@ class ModelConfig(_Section):
     bias: bool = False
     tie_embeddings: bool = Field(True, description="output projection shares the token embedding")
     rope_theta: float = Field(10_000.0, gt=0.0, description="llama: RoPE base")
+    norm_eps: float = Field(1e-5, gt=0.0, description="llama: RMSNorm epsilon")
     vocab_size: int | None = Field(None, ge=2)
+    init_from: str | None = Field(
+        None,
+        description="a transformers folder (LlamaForCausalLM, GPT2LMHeadModel) to start from: "
+        "its shape, weights and tokenizer (docs/export.md)",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -97,6 +103,7 @@ class ModelConfig(_Section):
                 "n_kv_head": self.n_kv_head not in (None, self.n_head),
                 "tie_embeddings": not self.tie_embeddings,
                 "ffn_hidden": self.ffn_hidden not in (None, 4 * self.n_embd),
+                "norm_eps": self.norm_eps != 1e-5,
             }
             for key, used in unsupported.items():
                 if used:
@@ -428,6 +435,8 @@ class RunConfig(_Section):
             data.prepared = absolute(data.prepared)
         if data.tokenizer.path:
             data.tokenizer.path = absolute(data.tokenizer.path)
+        if cfg.model.init_from:
+            cfg.model.init_from = absolute(cfg.model.init_from)
         if cfg.tracking.enabled:
             cfg.tracking.uri = cfg.tracking.store_uri(base)
         return cfg

@@ -24,6 +24,7 @@ def model_shape(cfg: ModelConfig, tokenizer_vocab: int) -> GPTShape | LlamaShape
             ffn_hidden=cfg.ffn_hidden or swiglu_hidden(cfg.n_embd),
             tie_embeddings=cfg.tie_embeddings,
             rope_theta=cfg.rope_theta,
+            norm_eps=cfg.norm_eps,
         )
     return GPTShape(
         vocab_size=vocab_size,

@@ -23,7 +23,7 @@ from raytrain_lm.clusters.multinode import Background, LocalCluster, segments, w
 from raytrain_lm.config import load_config
 from raytrain_lm.data.ledger import read_ledger
 from raytrain_lm.trainer import faults
-from raytrain_lm.trainer.checkpoint import complete_checkpoints
+from raytrain_lm.trainer.checkpoint import complete_checkpoints, read_state
 
 pytestmark = pytest.mark.chaos
 
@@ -136,7 +136,9 @@ def test_drain_writes_a_just_in_time_checkpoint_and_loses_no_step(
     """c. a spot notice (drain with the preemption reason and a deadline): a just-in-time
     checkpoint is written at once and the next worker group starts from exactly that step, on
     the nodes that stay, while the drained node is still up: with the default worker-start
-    timeout (10 minutes), the restart does not ask for a worker it cannot place."""
+    timeout (10 minutes), the restart does not ask for a worker it cannot place. The run is
+    sharded (FSDP): the just-in-time checkpoint is every rank's shards, written by 3 workers
+    and loaded by 2."""
     steps = 400
     run_dir = tmp_path / "runs" / "drain"
     overrides = [
@@ -147,6 +149,7 @@ def test_drain_writes_a_just_in_time_checkpoint_and_loses_no_step(
         f"training.max_steps={steps}",
         "checkpoint.every_steps=1000",  # the periodic checkpoint would lose many steps
         "fault.worker_start_timeout_s=600",  # the default: a wrongly sized restart waits it out
+        "parallel.strategy=fsdp",
     ]
     monkeypatch.setenv(faults.ENV_VAR, "slow-steps:seconds=0.05")
     run = Background(lambda: _train(overrides))
@@ -169,6 +172,8 @@ def test_drain_writes_a_just_in_time_checkpoint_and_loses_no_step(
     assert resumed["segment"] == first_step["segment"]
     assert resumed["restored_step"] == notice["step"]  # the just-in-time checkpoint
     assert resumed["world_size"] == 2  # nothing lands on the draining node
+    jit = [c for c in complete_checkpoints(run_dir) if read_state(c).step == notice["step"]]
+    assert jit and read_state(jit[0]).world_size == 3 and read_state(jit[0]).strategy == "fsdp"
     # Well under the start timeout (here it takes ~30 s; a loaded CI machine is slower).
     assert first_step["t"] - notice["t"] < 300, first_step["t"] - notice["t"]
     cluster.kill_node(node)  # the cloud takes the machine at its deadline

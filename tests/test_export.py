@@ -1,4 +1,4 @@
-"""Export to Hugging Face `transformers` (raytrain_lm/export.py), read back by `transformers`
+"""Export to Hugging Face `transformers` (raytrain_lm/huggingface.py), read back by `transformers`
 itself: the suite's trained llama (sharded) and gpt2 (DDP) runs."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import torch
 
 from raytrain_lm import cli
 from raytrain_lm.errors import UserError
-from raytrain_lm.export import export
 from raytrain_lm.generate import load_model
+from raytrain_lm.huggingface import export
 from raytrain_lm.trainer.checkpoint import complete_checkpoints
 
 PROMPT = "def main(argv):\n    ret"  # 24 byte tokens; with 8 more, the runs' 32 of context

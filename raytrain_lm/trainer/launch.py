@@ -22,6 +22,7 @@ from raytrain_lm.data.checks import check_data_matches_model, check_inputs
 from raytrain_lm.data.manifest import verify_shards
 from raytrain_lm.data.prepare import prepare
 from raytrain_lm.errors import UserError
+from raytrain_lm.huggingface import apply_init_from
 from raytrain_lm.placement import (
     keep_gpu_nodes_releasable,
     release_resource_requests,
@@ -78,7 +79,7 @@ def train(
     started = time.time()
     # Workers, trials and job drivers run in working directories of their own: every path
     # and the tracking store are pinned here, where the user's working directory is known.
-    cfg = cfg.resolved()
+    cfg = apply_init_from(cfg.resolved())
     run_dir = RunDir.of(cfg.output_dir, cfg.name)
     _check_writable(cfg.output_dir)
     _check_resume_compatible(cfg, run_dir, may_change)

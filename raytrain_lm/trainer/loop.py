@@ -33,6 +33,7 @@ from raytrain_lm.data.manifest import Manifest
 from raytrain_lm.data.order import SequenceOrder
 from raytrain_lm.data.stream import WorkerSlice, stream_train_batches
 from raytrain_lm.errors import UserError
+from raytrain_lm.huggingface import load_hf_weights
 from raytrain_lm.models import build_model
 from raytrain_lm.rundir import CONFIG_FILE, TOKENIZER_FILE
 from raytrain_lm.storage import filesystem
@@ -107,6 +108,8 @@ class Worker:
         self.end_step = end_step(cfg.training)
         torch.manual_seed(cfg.training.seed)
         self.model = build_model(cfg.model, self.manifest.vocab_size).to(self.device)
+        if cfg.model.init_from:  # a restore below replaces these weights when resuming
+            load_hf_weights(self.model, cfg.model.init_from)
         apply_activation_checkpointing(self.model, cfg.training.activation_checkpointing)
         self.strategy = self._choose_strategy()
         if self.sharded:

@@ -1,8 +1,9 @@
-"""A run's model as a Hugging Face `transformers` directory: what lm-eval-harness, vLLM, TGI
-and the Hub read. Written with safetensors, json and `tokenizers` only; `transformers` itself
-is not needed to export (the tests use it to read the result back).
+"""Into and out of Hugging Face `transformers` model folders: what lm-eval-harness, vLLM, TGI
+and the Hub read (`export`), and what a run may start from (`model.init_from`:
+`apply_init_from` on the driver, `load_hf_weights` in the workers). Only safetensors, json and
+`tokenizers` are used; `transformers` itself is not needed (the tests use it to check).
 
-llama becomes `LlamaForCausalLM` (our module names are its names under `model.`); gpt2 becomes
+llama is `LlamaForCausalLM` (our module names are its names under `model.`); gpt2 is
 `GPT2LMHeadModel`, whose Conv1D layers keep their weights transposed and which always has
 biases (ours may have none: zeros are written, which compute the same).
 """
@@ -18,11 +19,12 @@ import torch
 from safetensors.torch import save_file
 
 from raytrain_lm.causal_lm import CausalLM
+from raytrain_lm.config import ModelConfig, RunConfig, TokenizerConfig
 from raytrain_lm.errors import UserError
 from raytrain_lm.generate import load_model, resolve_checkpoint
 from raytrain_lm.llama import Llama
 from raytrain_lm.tokenization import EOT, BPETokenizer, ByteTokenizer, CharTokenizer, Tokenizer
-from raytrain_lm.trainer.checkpoint import model_state
+from raytrain_lm.trainer.checkpoint import load_model_state, model_state, tied_aliases
 
 MAX_SHARD_BYTES = 5 * 10**9  # transformers' own default (`max_shard_size="5GB"`)
 FORMATS = ("hf",)
@@ -216,3 +218,126 @@ def _bytes_to_unicode() -> dict[int, str]:
             table[b] = chr(256 + extra)
             extra += 1
     return table
+
+
+# ----------------------------------------------------------------------------- init_from
+
+# Keys a run may set apart from the folder's: they change no weight's shape.
+_MAY_DIFFER = {"llama": {"block_size"}, "gpt2": set()}
+_GPT2_BUFFERS = (".attn.bias", ".attn.masked_bias")  # causal masks older GPT-2 files carry
+
+
+def shape_from_hf(folder: str | Path) -> dict[str, Any]:
+    """The `model:` settings of a `transformers` folder; what we cannot reproduce exactly is
+    refused, naming it."""
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise UserError(f"model.init_from: {folder} has no config.json (a transformers folder)")
+    hf = json.loads(path.read_text())
+    kind = hf.get("model_type")
+    if kind == "llama":
+        rope = hf.get("rope_parameters") or {}
+        scaling = hf.get("rope_scaling") or {}
+        if scaling or rope.get("rope_type", "default") != "default":
+            raise UserError(f"model.init_from: {folder} uses RoPE scaling, which is not supported")
+        if hf.get("hidden_act", "silu") != "silu" or hf.get("attention_bias") or hf.get("mlp_bias"):
+            raise UserError(f"model.init_from: {folder} is not a plain Llama (activation, biases)")
+        heads = hf["num_attention_heads"]
+        if hf.get("head_dim") not in (None, hf["hidden_size"] // heads):
+            raise UserError(f"model.init_from: {folder} has a head size other than width/heads")
+        return {
+            "arch": "llama",
+            "n_layer": hf["num_hidden_layers"],
+            "n_head": heads,
+            "n_kv_head": hf.get("num_key_value_heads") or heads,
+            "n_embd": hf["hidden_size"],
+            "ffn_hidden": hf["intermediate_size"],
+            "block_size": hf["max_position_embeddings"],
+            "tie_embeddings": hf.get("tie_word_embeddings", False),
+            "rope_theta": float(hf.get("rope_theta") or rope.get("rope_theta") or 10_000.0),
+            "norm_eps": hf.get("rms_norm_eps", 1e-6),
+            "vocab_size": hf["vocab_size"],
+        }
+    if kind == "gpt2":
+        act = hf.get("activation_function", "gelu_new")
+        if act != "gelu":
+            raise UserError(
+                f"model.init_from: {folder} uses activation_function={act}; our gpt2 computes "
+                "the exact GELU (gelu)"
+            )
+        if hf.get("layer_norm_epsilon", 1e-5) != 1e-5 or hf.get("n_inner") not in (
+            None,
+            4 * hf["n_embd"],
+        ):
+            raise UserError(f"model.init_from: {folder} differs from GPT-2's LayerNorm or MLP")
+        return {
+            "arch": "gpt2",
+            "n_layer": hf["n_layer"],
+            "n_head": hf["n_head"],
+            "n_embd": hf["n_embd"],
+            "block_size": hf["n_positions"],
+            "bias": True,
+            "vocab_size": hf["vocab_size"],
+        }
+    raise UserError(f"model.init_from: {folder} holds a '{kind}' model; supported: llama, gpt2")
+
+
+def apply_init_from(cfg: RunConfig) -> RunConfig:
+    """`cfg` with the model's shape and the tokenizer taken from `model.init_from` (a resolved
+    config: the folder's path is absolute). A setting of the run's that contradicts the folder
+    is refused in one line."""
+    folder = cfg.model.init_from
+    if not folder:
+        return cfg
+    shape = shape_from_hf(folder)
+    explicit = cfg.model.model_fields_set
+    if cfg.model.preset:
+        raise UserError("model.init_from and model.preset both give the shape: keep one")
+    for key, value in shape.items():
+        mine = getattr(cfg.model, key)
+        if key in explicit and mine != value and key not in _MAY_DIFFER[shape["arch"]]:
+            raise UserError(
+                f"model.{key}={mine!r} but model.init_from {folder} has {value!r}; unset it"
+            )
+    keep = {k: getattr(cfg.model, k) for k in _MAY_DIFFER[shape["arch"]] & explicit}
+    tokenizer = Path(folder) / "tokenizer.json"
+    if not tokenizer.is_file():
+        raise UserError(f"model.init_from: {folder} has no tokenizer.json")
+    if cfg.data.tokenizer.model_fields_set & {"kind", "path"}:
+        raise UserError("data.tokenizer is taken from model.init_from: unset it")
+    cfg = cfg.model_copy(deep=True)
+    cfg.model = ModelConfig.model_validate({**cfg.model.model_dump(), **shape, **keep})
+    cfg.data.tokenizer = TokenizerConfig(kind="bpe", path=str(tokenizer))
+    return cfg
+
+
+def load_hf_weights(model: CausalLM, folder: str | Path) -> None:
+    """Loads the weights of a `transformers` folder into `model`, built to its shape."""
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    files = ["model.safetensors"]
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    from safetensors.torch import load_file
+
+    state: dict[str, torch.Tensor] = {}
+    for name in files:
+        state |= load_file(str(folder / name))
+    if isinstance(model, Llama):
+        state = {k.removeprefix("model."): v for k, v in state.items()}
+    else:
+        state = {
+            (k if k.startswith(("transformer.", "lm_head.")) else f"transformer.{k}"): v
+            for k, v in state.items()
+            if not k.endswith(_GPT2_BUFFERS)
+        }
+        state = {k: v.t().contiguous() if k.endswith(_CONV1D) else v for k, v in state.items()}
+    for alias in tied_aliases(model):
+        state.pop(alias, None)  # some folders store a tied head too
+    try:
+        load_model_state(model, state)
+    except RuntimeError as exc:
+        first = str(exc).splitlines()[0:3]
+        raise UserError(
+            f"model.init_from: {folder} does not match the model: {' '.join(first)}"
+        ) from None
