@@ -1,6 +1,6 @@
 """`model.init_from`: a run that starts from a `transformers` folder (raytrain_lm/huggingface.py):
 a tiny random Llama made and saved by `transformers` itself, then trained, then exported and
-read back."""
+read back. (Resuming is the same for every run: from its own checkpoints.)"""
 
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ def test_the_folder_gives_shape_tokenizer_and_identical_logits(hf_llama):
     assert _resolved([f"model.init_from={folder}", "model.block_size=16"]).model.block_size == 16
 
 
-def test_a_run_from_a_transformers_folder_trains_resumes_and_exports_back(
+def test_a_run_from_a_transformers_folder_trains_and_exports_back(
     hf_llama, ray_session, shared_dirs, tmp_path
 ):
     folder, _ = hf_llama
@@ -75,23 +75,17 @@ def test_a_run_from_a_transformers_folder_trains_resumes_and_exports_back(
         "scaling.num_workers=1",
         "training.max_steps=4",
         "training.eval_every=4",
-        "checkpoint.every_steps=2",
-        "training.stop_after_step=2",
     ]
-    first = raytrain_lm.train(load_config(None, overrides), sample=False)
-    assert first["steps"] == 2
+    trained = raytrain_lm.train(load_config(None, overrides), sample=False)
+    assert trained["steps"] == 4
     saved = load_config(tmp_path / "runs" / "from-hf" / "config.yaml")
     assert saved.model.init_from == str(folder) and saved.model.norm_eps == 1e-6
-    resumed = raytrain_lm.train(
-        load_config(None, [o for o in overrides if "stop_after" not in o]), sample=False
-    )
-    assert resumed["steps"] == 4 and resumed["goodput"]["restarts"] >= 1
 
     out = raytrain_lm.export("from-hf", tmp_path / "back", output_dir=tmp_path / "runs")
     from transformers import AutoModelForCausalLM
 
     again = AutoModelForCausalLM.from_pretrained(out).eval()
-    ours, tokenizer = load_model(resumed["checkpoint"])
+    ours, tokenizer = load_model(trained["checkpoint"])
     ids = torch.tensor([tokenizer.encode(TEXT)])
     with torch.no_grad():
         gap = (ours(ids, ids)[0] - again(ids).logits).abs().max().item()

@@ -135,18 +135,6 @@ def test_a_run_that_cannot_resume_faithfully_is_refused(learned_run, tmp_path):
         _run(overrides)
 
 
-def test_ddp_equivalence_across_world_sizes(world_size_runs):
-    """1 worker x 12 accumulation steps == 2 x 6, in fp32, step for step. (4 x 3, sharded: the
-    restarts test below, whose segments match the same run step for step.)"""
-    common, reference = world_size_runs["common"], world_size_runs["reference"]
-    uri = _uri(common)
-    expected = _history(reference, uri)
-    assert [s for s, _ in expected] == list(range(1, STEPS + 1))
-    got = _history(_run([*common, "name=ddp-eq-1", "scaling.num_workers=1"]), uri)
-    for (step, ref), (_, value) in zip(expected, got, strict=True):
-        assert value == pytest.approx(ref, abs=1e-5), step
-
-
 def test_resume_is_bit_for_bit(ray_session, tiny_overrides, tmp_path, monkeypatch):
     """Stopped on request a few steps in (SIGTERM to the driver, what `raytrain-lm stop` and
     `ray job stop` send), far from a periodic checkpoint: the workers checkpoint at the next
@@ -232,7 +220,8 @@ def test_sharded_restarts_at_other_world_sizes_match_an_uninterrupted_run(world_
     each (re)start; and every step's loss (steps 1-3 on 4 workers x 3 accumulation steps, 4-6
     on 2 x 6, 7-12 on 4 x 3) and the val loss are the uninterrupted run's in fp32. The
     restarts also turn activation checkpointing on (full, then selective): it changes no loss,
-    and checkpoints load across the settings."""
+    and checkpoints load across the settings. With the 2-rank equivalence of 1 worker, DDP and
+    FSDP (test_parallel.py), this is the world-size invariance of the loop and its data."""
     from raytrain_lm.data.ledger import read_ledger
 
     common, straight = world_size_runs["common"], world_size_runs["reference"]
