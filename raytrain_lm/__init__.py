@@ -1,6 +1,6 @@
 """raytrain-lm: train language models on Ray clusters: elastic, spot-tolerant, fast."""
 
-from raytrain_lm.api import export, sweep, sweep_report, train
+from raytrain_lm.api import evaluate, export, sweep, sweep_report, train
 from raytrain_lm.config import RunConfig, load_config
 from raytrain_lm.results import metric_history, sample
 
@@ -10,6 +10,7 @@ __all__ = [
     "sweep",
     "sweep_report",
     "export",
+    "evaluate",
     "metric_history",
     "sample",
     "load_config",

@@ -79,4 +79,31 @@ def export(
     return _export(str(run), out, str(output_dir), format)
 
 
-__all__ = ["train", "sweep", "sweep_report", "export", "load_config", "RunConfig"]
+def evaluate(
+    run: str | Path,
+    sources: list[str],
+    *,
+    workers: int = 1,
+    output_dir: str | Path = "runs",
+    name: str | None = None,
+    batch_size: int | None = None,
+    max_bytes: int | None = None,
+) -> dict[str, Any]:
+    """Loss (nats per token) and perplexity of a run's newest complete checkpoint (or the
+    checkpoint folder `run`) on the text `sources` name, through the run's tokenizer and data
+    path, on `workers` Ray Train workers; logged to the run's MLflow run as
+    `eval/<name>/loss` and `eval/<name>/perplexity`. See docs/export.md."""
+    from raytrain_lm.evaluate import evaluate as _evaluate
+
+    return _evaluate(
+        run,
+        list(sources),
+        workers=workers,
+        output_dir=output_dir,
+        name=name,
+        batch_size=batch_size,
+        max_bytes=max_bytes,
+    )
+
+
+__all__ = ["train", "sweep", "sweep_report", "export", "evaluate", "load_config", "RunConfig"]

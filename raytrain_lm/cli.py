@@ -1,5 +1,5 @@
-"""`raytrain-lm`: train, sweep, prepare, config show, generate, export, submit/status/logs/stop,
-cluster.
+"""`raytrain-lm`: train, sweep, prepare, config show, generate, export, eval,
+submit/status/logs/stop, cluster.
 
 Overrides: `--set section.key=value` (repeatable) or the short form `--section.key=value`.
 User errors print one line and exit with status 2; nothing is written before validation.
@@ -126,6 +126,30 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--format", default="hf", choices=["hf"], help="hf: transformers")
     export.add_argument("--out", required=True, help="folder to create (must not hold files)")
     export.add_argument("--output-dir", default="runs")
+    evaluation = commands.add_parser(
+        "eval", help="a run's loss and perplexity on any text, logged to its MLflow run"
+    )
+    evaluation.add_argument("run", help="run name, run folder or checkpoint folder")
+    evaluation.add_argument(
+        "--data",
+        nargs="+",
+        required=True,
+        metavar="SOURCE",
+        help="text files, folders, globs or builtin: corpora, as data.sources takes them",
+    )
+    evaluation.add_argument(
+        "--workers", type=_POSITIVE_INT, default=1, help="Ray Train workers to score with"
+    )
+    evaluation.add_argument(
+        "--name", help="the metrics' name in MLflow: eval/NAME/loss (default: from --data)"
+    )
+    evaluation.add_argument(
+        "--batch-size", type=_POSITIVE_INT, help="sequences per forward pass (default 8)"
+    )
+    evaluation.add_argument(
+        "--max-bytes", type=_POSITIVE_INT, help="read at most this many bytes of text (default all)"
+    )
+    evaluation.add_argument("--output-dir", default="runs")
     sweep = commands.add_parser(
         "sweep",
         help="run (or resume) a hyperparameter sweep: `sweep SWEEP.yaml`, `sweep report NAME`",
@@ -258,6 +282,24 @@ def run(argv: list[str]) -> int:
         out = export(args.run, args.out, args.output_dir, args.format)
         print(f"[raytrain-lm] exported {args.run} to {out} (load with transformers' "
               f"AutoModelForCausalLM.from_pretrained)")  # fmt: skip
+        return 0
+    if args.command == "eval":
+        from raytrain_lm.api import evaluate
+
+        result = evaluate(
+            args.run,
+            args.data,
+            workers=args.workers,
+            output_dir=args.output_dir,
+            name=args.name,
+            batch_size=args.batch_size,
+            max_bytes=args.max_bytes,
+        )
+        print(
+            f"{result['name']}: loss {result['loss']:.4f}, perplexity {result['perplexity']:.2f} "
+            f"over {result['tokens']:,} tokens (step {result['step']} of run '{result['run']}')"
+        )
+        print("result: " + json.dumps(result))
         return 0
     if args.command == "generate":
         from raytrain_lm.generate import resolve_checkpoint, sample

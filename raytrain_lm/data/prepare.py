@@ -316,13 +316,15 @@ def _write_shards(
 # ----------------------------------------------------------------------------- driver side
 
 
-def _fingerprint(cfg: DataConfig, inputs: list[InputFile], given: Tokenizer | None) -> str:
+def _fingerprint(
+    cfg: DataConfig, inputs: list[InputFile], given: Tokenizer | None, held_out_only: bool
+) -> str:
     tok = cfg.tokenizer
     tok_identity: dict = {"kind": tok.kind}
     if tok.kind == "bpe":
         tok_identity |= {"path": tok.path, "vocab_size": tok.vocab_size}
-        if given is not None:
-            tok_identity["fingerprint"] = given.fingerprint
+    if given is not None and (tok.kind == "bpe" or held_out_only):
+        tok_identity["fingerprint"] = given.fingerprint
     key = {
         "format": 2,
         "inputs": [i.identity() for i in inputs],
@@ -333,6 +335,8 @@ def _fingerprint(cfg: DataConfig, inputs: list[InputFile], given: Tokenizer | No
         "max_source_bytes": cfg.max_source_bytes,
         "shard_tokens": cfg.shard_tokens,
     }
+    if held_out_only:
+        key["held_out_only"] = True
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -437,12 +441,12 @@ def _build_tokenizer(
     cfg: DataConfig, inputs: list[InputFile], given: Tokenizer | None
 ) -> Tokenizer:
     tok = cfg.tokenizer
+    if given is not None:
+        return given
     if tok.kind == "byte":
         return ByteTokenizer()
     if tok.kind == "char":
         return _capped_alphabet(inputs, cfg)
-    if given is not None:
-        return given
     limit = min(BPE_SAMPLE_BYTES, cfg.max_source_bytes or BPE_SAMPLE_BYTES)
     return train_bpe(cfg, inputs, limit)
 
@@ -500,9 +504,10 @@ def _tokenize_inputs(
                 tokens = int(index[documents - 1, 1]) if documents else 0
                 replaced = int(index[:documents, 2].sum())
                 unknown = int(index[:documents, 3].sum())
-            if unknown:
-                raise RuntimeError(
-                    "a document under the byte cap has characters outside the alphabet"
+            if unknown:  # only with a given alphabet: one built here covers the text
+                raise UserError(
+                    f"{unknown} characters of {', '.join(cfg.sources)} are not in the char "
+                    "tokenizer's alphabet: a char model cannot read them"
                 )
             if tokens:
                 stream.pieces.append((row["piece"], tokens))
@@ -575,15 +580,24 @@ def _cut_into_shards(
     return splits
 
 
-def prepare(cfg: DataConfig, progress: bool = True) -> PreparedData:
+def prepare(
+    cfg: DataConfig,
+    progress: bool = True,
+    *,
+    tokenizer: Tokenizer | None = None,
+    held_out_only: bool = False,
+) -> PreparedData:
     """Prepares (or finds already prepared) token shards for `cfg`; returns where they are.
     Whatever is wrong with the inputs raises a UserError of one line naming the input; a
-    `data.cache_dir` bucket that does not exist or cannot be reached, naming the bucket."""
+    `data.cache_dir` bucket that does not exist or cannot be reached, naming the bucket.
+
+    `tokenizer` (of `data.tokenizer.kind`) replaces the one the config would load or build;
+    `held_out_only` puts every token into the val split: text to evaluate a model on."""
     inputs = check_inputs(cfg)
     if cfg.prepared:
         return PreparedData(cfg.prepared, Manifest.load(cfg.prepared), created=False)
-    given = given_tokenizer(cfg)
-    fingerprint = _fingerprint(cfg, inputs, given)
+    given = tokenizer or given_tokenizer(cfg)
+    fingerprint = _fingerprint(cfg, inputs, given, held_out_only)
     target = storage.join(cfg.cache_dir, fingerprint)
     if storage.exists(storage.join(target, MANIFEST_FILE)):
         return PreparedData(target, Manifest.load(target), created=False)
@@ -608,9 +622,11 @@ def prepare(cfg: DataConfig, progress: bool = True) -> PreparedData:
         raise UserError(f"cannot write to data.cache_dir {cfg.cache_dir}: {exc.strerror}") from None
     try:
         ensure_local_ray()
-        manifest, tokenizer = _run(cfg, inputs, given, fingerprint, pieces, shards_dir, progress)
+        manifest, used = _run(
+            cfg, inputs, given, fingerprint, pieces, shards_dir, progress, held_out_only
+        )
         storage.delete_tree(pieces)
-        created = _publish(staging, target, manifest, tokenizer, remote)
+        created = _publish(staging, target, manifest, used, remote)
     except BaseException:
         if created_root:  # leave nothing behind on failure, not even the empty cache folder
             shutil.rmtree(cfg.cache_dir, ignore_errors=True)
@@ -629,6 +645,7 @@ def _run(
     pieces: str,
     shards_dir: str,
     progress: bool,
+    held_out_only: bool = False,
 ) -> tuple[Manifest, Tokenizer]:
     from tqdm import tqdm
 
@@ -653,7 +670,9 @@ def _run(
     n_val = max(int(total * cfg.val_fraction), 2)
     if cfg.val_max_tokens is not None:
         n_val = min(n_val, cfg.val_max_tokens)
-    if total - n_val < 2:
+    if held_out_only:
+        n_val = total
+    elif total - n_val < 2:
         raise UserError(f"corpus too small: {total} tokens cannot make train and validation splits")
     if stream.replaced:
         print(

@@ -148,6 +148,29 @@ def stream_train_batches(
         yield batch["position"], batch["tokens"]
 
 
+@dataclass(frozen=True)
+class ValidationShare:
+    """One worker's strided share of the fixed validation set, read in batches; its length
+    (the number of batches) is known before a shard is read."""
+
+    directory: str
+    manifest: Manifest
+    seq_len: int
+    starts: list[tuple[int, int]]
+    batch: int
+
+    def __len__(self) -> int:
+        return -(-len(self.starts) // self.batch)
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        cache = ShardCache(self.directory, self.manifest, "val")
+        for i in range(0, len(self.starts), self.batch):
+            chunk = self.starts[i : i + self.batch]
+            yield cache.sequences(
+                np.array([s for s, _ in chunk]), np.array([t for _, t in chunk]), self.seq_len + 1
+            )
+
+
 def validation_batches(
     directory: str,
     manifest: Manifest,
@@ -156,13 +179,8 @@ def validation_batches(
     rank: int,
     world: int,
     batch: int,
-) -> Iterator[np.ndarray]:
-    """This worker's strided share of the fixed validation set, in batches."""
+) -> ValidationShare:
+    """This worker's strided share of the first `limit` validation sequences (None: all)."""
     shards = manifest.splits["val"].shards
     starts = validation_starts([s.tokens for s in shards], seq_len, limit)[rank::world]
-    cache = ShardCache(directory, manifest, "val")
-    for i in range(0, len(starts), batch):
-        chunk = starts[i : i + batch]
-        yield cache.sequences(
-            np.array([s for s, _ in chunk]), np.array([t for _, t in chunk]), seq_len + 1
-        )
+    return ValidationShare(directory, manifest, seq_len, starts, batch)

@@ -1,8 +1,10 @@
-"""Validation loss over the fixed validation set, identical whatever the world size."""
+"""Loss over a fixed set of held-out sequences, identical whatever the world size: the
+validation split during training, and any text for `raytrain-lm eval`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
@@ -12,23 +14,30 @@ from raytrain_lm.data.manifest import Manifest
 from raytrain_lm.data.stream import validation_batches
 from raytrain_lm.trainer import hardware
 
+_OPS = {"sum": "SUM", "min": "MIN", "max": "MAX"}
 
-def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
-    """Element-wise sum over the ranks (the values themselves on a single worker)."""
+
+def all_reduce(
+    values: list[float], device: torch.device, op: Literal["sum", "min", "max"] = "sum"
+) -> list[float]:
+    """Element-wise reduction over the ranks (the values themselves on a single worker)."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return values
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    dist.all_reduce(tensor, op=getattr(dist.ReduceOp, _OPS[op]))
     return tensor.tolist()
 
 
-def all_reduce_min(value: float, device: torch.device) -> float:
-    """The smallest of the ranks' values (the value itself on a single worker)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return value
-    tensor = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
-    return tensor.item()
+@dataclass(frozen=True)
+class Totals:
+    """Summed over every rank: each sequence's mean token loss, and the sequences."""
+
+    loss_sum: float
+    sequences: int
+
+    @property
+    def mean_loss(self) -> float:
+        return self.loss_sum / max(self.sequences, 1)
 
 
 @dataclass(frozen=True)
@@ -46,34 +55,39 @@ class Evaluator:
     # many as the rank with the most batches, the extra ones counting for nothing.
     same_count_on_every_rank: bool = False
 
-    @torch.no_grad()
     def __call__(self, model: torch.nn.Module) -> float:
         """Mean token loss; each rank takes a strided share, the sums are reduced."""
+        return self.totals(model).mean_loss
+
+    @torch.no_grad()
+    def totals(self, model: torch.nn.Module) -> Totals:
         model.eval()
-        total, count = 0.0, 0
-        shares = list(
-            validation_batches(
-                self.data_dir,
-                self.manifest,
-                self.seq_len,
-                self.sequences,
-                self.rank,
-                self.world,
-                self.batch,
-            )
+        share = validation_batches(
+            self.data_dir,
+            self.manifest,
+            self.seq_len,
+            self.sequences,
+            self.rank,
+            self.world,
+            self.batch,
         )
-        padding: list[np.ndarray] = []
-        if self.same_count_on_every_rank:
-            most = int(-all_reduce_min(-float(len(shares)), self.device))
-            filler = shares[0] if shares else np.zeros((1, self.seq_len + 1), np.int64)
-            padding = [filler] * (most - len(shares))
-        for i, tokens in enumerate(shares + padding):
+        # Summed on the device and read once at the end: no host sync per batch.
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        count = 0
+        for tokens in share:
             t = torch.from_numpy(tokens.astype(np.int64)).to(self.device)
-            with hardware.autocast(self.device, self.bf16):
-                _, loss = model(t[:, :-1], t[:, 1:])
-            if i < len(shares):
-                total += float(loss) * t.shape[0]
-                count += t.shape[0]
+            total += self._loss(model, t).double() * t.shape[0]
+            count += t.shape[0]
+        if self.same_count_on_every_rank:
+            most = int(all_reduce([float(len(share))], self.device, "max")[0])
+            filler = torch.zeros((1, self.seq_len + 1), dtype=torch.int64, device=self.device)
+            for _ in range(most - len(share)):
+                self._loss(model, filler)
         model.train()
-        total, count = all_reduce_sum([total, float(count)], self.device)
-        return total / max(count, 1.0)
+        loss_sum, sequences = all_reduce([total.item(), float(count)], self.device)
+        return Totals(loss_sum, int(sequences))
+
+    def _loss(self, model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+        with hardware.autocast(self.device, self.bf16):
+            _, loss = model(tokens[:, :-1], tokens[:, 1:])
+        return loss

@@ -2,7 +2,8 @@
 (Ray's own pattern: restore first, then step, then report).
 
 This module is the only one that calls Ray Train's per-worker API (`ray.train.get_context`,
-`get_checkpoint`, `report`, `get_preemption_info`, `ray.train.torch.prepare_model`). What it
+`get_checkpoint`, `report`, `get_preemption_info`, `ray.train.torch.prepare_model`), beside
+`eval_loop.py`, the worker function of `raytrain-lm eval` (context and device only). What it
 drives is plain PyTorch and files: one optimizer step (step.py), validation (evaluation.py),
 checkpoint contents (checkpoint.py), the stop and preemption protocol (signals.py), goodput
 events (goodput.py). Each part gets only the settings it needs.
@@ -51,7 +52,7 @@ from raytrain_lm.trainer.checkpoint import (
     save_checkpoint,
     upload_checkpoint,
 )
-from raytrain_lm.trainer.evaluation import Evaluator, all_reduce_min, all_reduce_sum
+from raytrain_lm.trainer.evaluation import Evaluator, all_reduce
 from raytrain_lm.trainer.goodput import (
     Heartbeat,
     HeartbeatWriter,
@@ -156,7 +157,9 @@ class Worker:
         against its smallest device; the same on every rank."""
         setting = self.cfg.parallel.strategy
         local_workers = ray.train.get_context().get_local_world_size()
-        device_bytes = all_reduce_min(device_memory_bytes(self.device, local_workers), self.device)
+        (device_bytes,) = all_reduce(
+            [device_memory_bytes(self.device, local_workers)], self.device, "min"
+        )
         estimate = MemoryEstimate(
             params=self.model.num_params(non_embedding=False),
             world=self.world,
@@ -226,7 +229,7 @@ class Worker:
         state, plan = self.state, self.plan
         price = self.cfg.fault.price_per_hour
         my_type = _node_accelerator_type() if price else "cpu"
-        group_price = all_reduce_sum([price.get(my_type, price.get("default", 0.0))], self.device)
+        group_price = all_reduce([price.get(my_type, price.get("default", 0.0))], self.device)
         if self.is_chief:
             if self.cfg.training.ledger:
                 ledger.discard_after(self.run_dir, state.step)
@@ -313,7 +316,7 @@ class Worker:
         (whether to ask Ray about preemption, whether a stop was requested) to every rank."""
         ask = self.is_chief and self.every.signals.due(self.state.step, self.end_step)
         stop = ask and signals.stop_requested(self.run_dir)
-        loss_sum, asks, stops = all_reduce_sum(
+        loss_sum, asks, stops = all_reduce(
             [float(result.loss), float(ask), float(stop)], self.device
         )
         self.train_loss = loss_sum / self.world

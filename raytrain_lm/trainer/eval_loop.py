@@ -1,0 +1,44 @@
+"""The Ray Train worker function of `raytrain-lm eval`: each worker scores its strided share
+of the held-out text with the checkpoint's weights; the sums are all-reduced."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from raytrain_lm.data.manifest import Manifest
+from raytrain_lm.trainer import hardware
+from raytrain_lm.trainer.evaluation import Evaluator
+
+
+@dataclass(frozen=True)
+class EvalSpec:
+    checkpoint: str
+    data_dir: str
+    batch: int
+    precision: str
+
+
+def eval_loop_per_worker(spec: EvalSpec) -> dict[str, float]:
+    """Rank 0's return value is `Result.return_value`: the totals over every rank."""
+    import ray.train
+    import ray.train.torch
+
+    from raytrain_lm.generate import load_model
+
+    context = ray.train.get_context()
+    device = ray.train.torch.get_device()
+    hardware.configure_device(device)
+    model, _ = load_model(spec.checkpoint, device=str(device))
+    evaluator = Evaluator(
+        data_dir=spec.data_dir,
+        manifest=Manifest.load(spec.data_dir),
+        seq_len=model.block_size,
+        sequences=None,
+        batch=spec.batch,
+        rank=context.get_world_rank(),
+        world=context.get_world_size(),
+        device=device,
+        bf16=hardware.use_bf16(device, spec.precision),
+    )
+    totals = evaluator.totals(model)
+    return {"loss_sum": totals.loss_sum, "sequences": totals.sequences}
