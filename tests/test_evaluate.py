@@ -38,7 +38,9 @@ def _by_hand(checkpoint: Path, data_dir: str) -> tuple[float, int]:
     return sum(losses) / sequences, sequences * model.block_size
 
 
-def test_eval_scores_any_text_on_two_workers_and_logs_it(learned_run, shared_dirs, tmp_path, capsys):
+def test_eval_scores_any_text_on_two_workers_and_logs_it(
+    learned_run, shared_dirs, tmp_path, capsys
+):
     runs = learned_run["output_dir"]
     text = tmp_path / "held.out.py"
     shutil.copy(TEXT, text)
