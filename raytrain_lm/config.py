@@ -197,8 +197,12 @@ class TrainingConfig(_Section):
     eval_sequences: int | None = Field(256, ge=1, description="val sequences per eval (None: all)")
     log_every: int = Field(10, ge=1)
     seed: int = 1337
-    precision: Literal["auto", "fp32", "bf16"] = "auto"
-    compile: bool = False
+    precision: Literal["auto", "fp32", "bf16"] = Field(
+        "auto", description="auto: bf16 autocast on GPUs that have it, fp32 elsewhere"
+    )
+    compile: bool | Literal["auto"] = Field(
+        "auto", description="torch.compile the model; auto: on CUDA, off on CPU"
+    )
     activation_checkpointing: Literal["none", "full", "selective"] = Field(
         "none",
         description="recompute activations in backward instead of keeping them: full (every "

@@ -94,7 +94,8 @@ def learned_run(ray_session, tmp_path_factory, shared_dirs) -> dict:
     directory is `output_dir / "learns"`; tests must not change it (copy it first). It is the
     suite's llama run (grouped-query attention, untied output projection), sharded with FSDP:
     its checkpoints are DCP shards, the last with the whole weights gathered. The others train
-    the default gpt2 under DDP."""
+    the default gpt2 under DDP. It counts its workers' reads of device values (`count-syncs`).
+    """
     import raytrain_lm
     from raytrain_lm.config import load_config
 
@@ -114,7 +115,14 @@ def learned_run(ray_session, tmp_path_factory, shared_dirs) -> dict:
         "checkpoint.every_steps=20",
         "optim.lr=3e-3",
     ]
-    summary = raytrain_lm.train(load_config(None, overrides), sample=False)
+    # Counting the host's reads of device values changes nothing else (trainer/faults.py).
+    from raytrain_lm.trainer.faults import ENV_VAR
+
+    os.environ[ENV_VAR] = "count-syncs"
+    try:
+        summary = raytrain_lm.train(load_config(None, overrides), sample=False)
+    finally:
+        del os.environ[ENV_VAR]
     return {"summary": summary, "overrides": overrides, "output_dir": output_dir}
 
 

@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 import raytrain_lm
 from raytrain_lm.config import load_config
 from raytrain_lm.errors import find_user_error
+from raytrain_lm.trainer.goodput import read_events
 
 
 def _run(overrides: list[str]) -> dict:
@@ -48,6 +49,16 @@ def test_two_worker_run_learns_and_is_tracked(learned_run):
     assert val[0][1] < 4.5 and val[1][1] < val[0][1] - 0.1, val  # ln(257) = 5.55 at the start
     train = _history(summary, uri)
     assert [s for s, _ in train] == list(range(1, 41))  # every step, not only log points
+    grad_norms = _history(summary, uri, "train/grad_norm")
+    assert [s for s, _ in grad_norms] == list(range(1, 41)) and all(g > 0 for _, g in grad_norms)
+
+    # No step waits for the device: its loss and grad norm are read, all at once, only where
+    # something needs them: the first step, the end of warm-up (3), logging (every 10),
+    # evaluation and checkpoints (20, 40).
+    (syncs,) = [e for e in read_events(run_dir) if e["event"] == "host_syncs"]
+    assert syncs["per_step"] == {str(step): 0 for step in range(1, 41)}, syncs
+    assert sorted(int(s) for s in syncs["at_reads"]) == [1, 3, 10, 20, 30, 40], syncs
+    assert all(count >= 1 for count in syncs["at_reads"].values()), syncs
 
     client = MlflowClient(tracking_uri=uri)
     run = client.get_run(summary["mlflow_run_id"])

@@ -4,28 +4,13 @@ validation split during training, and any text for `raytrain-lm eval`."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
-import numpy as np
 import torch
-import torch.distributed as dist
 
 from raytrain_lm.data.manifest import Manifest
 from raytrain_lm.data.stream import validation_batches
 from raytrain_lm.trainer import hardware
-
-_OPS = {"sum": "SUM", "min": "MIN", "max": "MAX"}
-
-
-def all_reduce(
-    values: list[float], device: torch.device, op: Literal["sum", "min", "max"] = "sum"
-) -> list[float]:
-    """Element-wise reduction over the ranks (the values themselves on a single worker)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return values
-    tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(tensor, op=getattr(dist.ReduceOp, _OPS[op]))
-    return tensor.tolist()
+from raytrain_lm.trainer.collectives import all_reduce
 
 
 @dataclass(frozen=True)
@@ -71,18 +56,19 @@ class Evaluator:
             self.world,
             self.batch,
         )
+        passes = len(share)
+        if self.same_count_on_every_rank:  # agreed before any forward, each a collective
+            passes = int(all_reduce([float(passes)], self.device, "max")[0])
         # Summed on the device and read once at the end: no host sync per batch.
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         count = 0
         for tokens in share:
-            t = torch.from_numpy(tokens.astype(np.int64)).to(self.device)
+            t = hardware.tokens_to_device(tokens, self.device)
             total += self._loss(model, t).double() * t.shape[0]
             count += t.shape[0]
-        if self.same_count_on_every_rank:
-            most = int(all_reduce([float(len(share))], self.device, "max")[0])
-            filler = torch.zeros((1, self.seq_len + 1), dtype=torch.int64, device=self.device)
-            for _ in range(most - len(share)):
-                self._loss(model, filler)
+        filler = torch.zeros((1, self.seq_len + 1), dtype=torch.int64, device=self.device)
+        for _ in range(passes - len(share)):
+            self._loss(model, filler)
         model.train()
         loss_sum, sequences = all_reduce([total.item(), float(count)], self.device)
         return Totals(loss_sum, int(sequences))

@@ -9,6 +9,13 @@
   reported and uploaded whole (that report waits for its upload), before the next step.
 - `slow-steps:seconds=0.05`: every step takes at least that long, so a test's node changes
   happen mid-run however fast the machine is.
+
+And one diagnostic, which changes nothing:
+
+- `count-syncs`: each worker counts the host's reads of device values made by our code at
+  step (see SyncCounter), apart from those of the steps that log, evaluate or checkpoint;
+  rank 0 records both in the run's events (`host_syncs`). The hot path must count 0 at
+  every step: it never waits for the device.
 """
 
 from __future__ import annotations
@@ -68,3 +75,54 @@ def maybe_fire(fault: Fault | None, point: str, step: int, rank: int, run_dir: R
 def pace(fault: Fault | None, step_started: float) -> None:
     if fault is not None and fault.point == "slow-steps":
         time.sleep(max(0.0, fault.seconds - (time.perf_counter() - step_started)))
+
+
+class SyncCounter:
+    """Counts our code's reads of tensor values (`item`, `tolist`, `float(t)`, `int(t)`,
+    `bool(t)`): on a GPU each one makes the host wait for the device. Only calls made from
+    raytrain_lm's own modules are counted, not those inside PyTorch (a CPU optimizer reads
+    its step counter, a fused GPU one does not)."""
+
+    METHODS = ("item", "tolist", "__float__", "__int__", "__bool__", "__index__")
+
+    def __init__(self) -> None:
+        import torch
+
+        self.per_step: dict[int, int] = {}  # step -> reads by the step and its cadence checks
+        self.at_reads: dict[int, int] = {}  # step -> reads by its logging, eval, checkpoint
+        self._count = 0
+        for name in self.METHODS:
+            original = getattr(torch.Tensor, name)
+            setattr(torch.Tensor, name, self._counting(original))
+
+    def _counting(self, original):
+        import sys
+
+        def read(tensor, *args, **kwargs):
+            caller = sys._getframe(1).f_globals.get("__name__", "")
+            if caller.startswith("raytrain_lm."):
+                self._count += 1
+            return original(tensor, *args, **kwargs)
+
+        return read
+
+    def close_step(self, step: int) -> None:
+        """The reads since the last close were made by `step`'s own work."""
+        self.per_step[step] = self._count
+        self._count = 0
+
+    def reset(self) -> None:
+        self._count = 0
+
+    def close_read(self, step: int) -> None:
+        """The reads since the last close were made by `step`'s read of the pending steps
+        and what followed it (expected: that is where values are read)."""
+        self.at_reads[step] = self._count
+        self._count = 0
+
+
+def sync_counter(fault: Fault | None) -> SyncCounter | None:
+    """With `count-syncs`, a counter installed in this process (a worker)."""
+    if fault is None or fault.point != "count-syncs":
+        return None
+    return SyncCounter()

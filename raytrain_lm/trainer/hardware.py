@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 
+import numpy as np
 import torch
 
 # Dense bf16 tensor-core peaks (no sparsity), FLOP/s.
@@ -55,6 +56,12 @@ def use_bf16(device: torch.device, precision: str) -> bool:
     return device.type == "cuda" and torch.cuda.is_bf16_supported()
 
 
+def use_compile(device: torch.device, setting: bool | str) -> bool:
+    """`training.compile`: auto compiles on CUDA, where it pays; on CPU compiling a tiny model
+    takes longer than training it."""
+    return device.type == "cuda" if setting == "auto" else bool(setting)
+
+
 def configure_device(device: torch.device) -> None:
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -74,3 +81,23 @@ def autocast(device: torch.device, bf16: bool):
 
 def build_adamw(groups: list[dict], lr: float, betas: tuple[float, float], device: torch.device):
     return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=device.type == "cuda")
+
+
+# Shards store ids as uint8/16/32 (tokenization.token_dtype). PyTorch's unsigned 16 and 32 bit
+# types support little beyond copies, so those cross as the signed type of the same width and
+# are widened on the device, where the mask restores the unsigned value.
+_SIGNED_TWIN = {np.dtype(np.uint16): np.int16, np.dtype(np.uint32): np.int32}
+
+
+def tokens_to_device(tokens: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Token ids as int64 on `device`. They cross in the shards' compact dtype (a quarter of
+    int64's bytes for uint16); on CUDA from pinned memory, so the copy is truly asynchronous
+    (torch's caching host allocator keeps the pinned buffer until the copy is done)."""
+    twin = _SIGNED_TWIN.get(tokens.dtype)
+    host = torch.from_numpy(tokens.view(twin) if twin is not None else tokens)
+    if device.type == "cuda":
+        host = host.pin_memory().to(device, non_blocking=True)
+    ids = host.to(torch.int64)
+    if twin is not None:
+        ids &= (1 << (8 * tokens.dtype.itemsize)) - 1
+    return ids

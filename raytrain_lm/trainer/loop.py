@@ -52,7 +52,8 @@ from raytrain_lm.trainer.checkpoint import (
     save_checkpoint,
     upload_checkpoint,
 )
-from raytrain_lm.trainer.evaluation import Evaluator, all_reduce
+from raytrain_lm.trainer.collectives import FlagChannel, all_reduce
+from raytrain_lm.trainer.evaluation import Evaluator
 from raytrain_lm.trainer.goodput import (
     Heartbeat,
     HeartbeatWriter,
@@ -67,12 +68,13 @@ from raytrain_lm.trainer.parallel import (
     device_memory_bytes,
     shard_model,
 )
+from raytrain_lm.trainer.pending import Interval, PendingSteps
 from raytrain_lm.trainer.plan import BatchPlan, end_step, learning_rate
 from raytrain_lm.trainer.progress import ProgressBar
 from raytrain_lm.trainer.recompute import apply_activation_checkpointing
 from raytrain_lm.trainer.sharded import load_sharded_checkpoint, save_sharded_checkpoint
 from raytrain_lm.trainer.spec import WorkerSpec
-from raytrain_lm.trainer.step import StepParts, StepResult, step_seed, train_step
+from raytrain_lm.trainer.step import StepParts, step_seed, train_step
 from raytrain_lm.trainer.storage_checks import check_worker_sees
 from raytrain_lm.trainer.watchdog import StepWatchdog
 
@@ -100,6 +102,7 @@ class Worker:
         self.device = ray.train.torch.get_device()
         hardware.configure_device(self.device)
         self.bf16 = hardware.use_bf16(self.device, cfg.training.precision)
+        self.compile = hardware.use_compile(self.device, cfg.training.compile)
         self.run_dir = spec.run_dir
         self.is_chief = rank == 0  # the one rank that writes run files, events and metrics
 
@@ -120,7 +123,7 @@ class Worker:
                 world,
                 self.bf16,
                 cfg.parallel.reshard_after_forward,
-                compile_blocks=cfg.training.compile,
+                compile_blocks=self.compile,
             )
         self.optimizer = hardware.build_adamw(
             self.model.optimizer_groups(cfg.optim.weight_decay),
@@ -136,6 +139,9 @@ class Worker:
         self.decay_steps = cfg.optim.decay_steps or cfg.training.max_steps
         self.every = Cadences.of(cfg)
         self.watchdog = StepWatchdog(cfg.fault.step_timeout_s)
+        self.flag_channel = FlagChannel(self.device)
+        self.pending = PendingSteps(world)
+        self.sync_counter = faults.sync_counter(spec.fault)
 
         self.state = TrainState()
         self.segment = uuid.uuid4().hex[:12]
@@ -146,7 +152,7 @@ class Worker:
         self.upload_deadline: float | None = None  # a spot notice's deadline (wall clock)
         self.heartbeats: HeartbeatWriter | None = None  # rank 0's, from start()
         self.train_loss = float("nan")
-        self.tick = time.perf_counter()
+        self.tick = time.perf_counter()  # when this step began, on the host (for pacing)
 
     @property
     def sharded(self) -> bool:
@@ -267,37 +273,57 @@ class Worker:
         progress = None
         if self.is_chief and self.cfg.training.progress:
             progress = ProgressBar(self.end_step, state.step, self.cfg.training.log_every)
+        # Reads at a group's first step and at the end of its warm-up, so that neither the
+        # start-up nor the warm-up steps blur a steady interval's tokens/s.
+        forced_reads = {state.step + 1, state.step + WARMUP_STEPS}
         self.watchdog.start()
-        self.tick = time.perf_counter()
+        self.pending.restart_clock()
+        if self.sync_counter is not None:
+            self.sync_counter.reset()  # restoring and starting read values: not steps
         while state.step < self.end_step:
-            result = self._take_step(parts, batches)
-            flags = self._share(result)
-            metrics = self._measure(result)
+            self._take_step(parts, batches)
+            flags = self._share_flags()
             last = state.step == self.end_step
             if every.heartbeat.due(state.step, self.end_step):
                 self._heartbeat()
-            if every.log.due(state.step, self.end_step) and self.events:
+            log_due = every.log.due(state.step, self.end_step)
+            eval_due = every.eval.due(state.step, self.end_step)
+            checkpoint_due = every.checkpoint.due(state.step, self.end_step)
+            ends = flags.raised and not last and self._ends_group(flags)
+            if self.sync_counter is not None:
+                self.sync_counter.close_step(state.step)
+            reads = log_due or eval_due or checkpoint_due or ends
+            if not reads and state.step not in forced_reads:
+                continue  # nothing read: the host goes on queueing the next step
+            metrics = self._read_pending()
+            if log_due and self.events:
                 metrics.update(self._live_goodput())
-            if every.eval.due(state.step, self.end_step):
+            if eval_due:
                 state.val_loss, state.val_step = evaluate(self.model), state.step
                 metrics["val/loss"] = state.val_loss
                 self._restart_step_clock()  # evaluation time is not step time
             self.tracker.log_metrics(metrics, step=state.step)
             if progress is not None:
                 progress.update(state.step, metrics, force="val/loss" in metrics)
-            if flags.raised and not last and self._ends_group(flags):
+            if ends:
                 self._report_checkpoint(final=True)
                 break
-            if every.checkpoint.due(state.step, self.end_step):
+            if checkpoint_due:
                 self._report_checkpoint(final=last)
                 self._restart_step_clock()
+            if self.sync_counter is not None:
+                self.sync_counter.close_read(state.step)
         if self.heartbeats is not None:
             self.heartbeats.close(self._beat())
         self.watchdog.stop()
+        if self.sync_counter is not None and self.is_chief:
+            counter = self.sync_counter
+            self._event("host_syncs", per_step=counter.per_step, at_reads=counter.at_reads)
         self.tracker.flush()
 
-    def _take_step(self, parts: StepParts, batches) -> StepResult:
+    def _take_step(self, parts: StepParts, batches) -> None:
         cfg, state = self.cfg, self.state
+        self.tick = time.perf_counter()
         torch.manual_seed(step_seed(cfg.training.seed, state.step, self.rank))
         lr = learning_rate(
             state.step, cfg.optim.lr, cfg.optim.min_lr, cfg.optim.warmup_steps, self.decay_steps
@@ -308,38 +334,48 @@ class Worker:
         state.position += self.plan.global_batch
         if cfg.training.ledger:
             self.ledger.extend(result.positions)
+        host_metrics = {"train/lr": lr, "progress/tokens": state.tokens}
+        self.pending.add(
+            state.step, result.loss, result.grad_norm, host_metrics, result.data_wait_s
+        )
+        self.watchdog.beat()
         faults.pace(self.spec.fault, self.tick)
-        return result
 
-    def _share(self, result: StepResult) -> Flags:
-        """The one collective of each step: sums the loss, and carries rank 0's signal flags
-        (whether to ask Ray about preemption, whether a stop was requested) to every rank."""
+    def _share_flags(self) -> Flags:
+        """Rank 0's signal flags (whether to ask Ray about preemption, whether a stop was
+        requested), carried to every rank each step without waiting for the device."""
         ask = self.is_chief and self.every.signals.due(self.state.step, self.end_step)
         stop = ask and signals.stop_requested(self.run_dir)
-        loss_sum, asks, stops = all_reduce(
-            [float(result.loss), float(ask), float(stop)], self.device
-        )
-        self.train_loss = loss_sum / self.world
+        asks, stops = self.flag_channel.share([int(ask), int(stop)])
         return Flags(ask=asks > 0, stop=stops > 0)
 
-    def _measure(self, result: StepResult) -> dict[str, float]:
-        now = time.perf_counter()
-        step_time, self.tick = now - self.tick, now
-        self.throughput.add(self.state.step, step_time, self.tokens_per_step)
-        self.watchdog.beat()
-        if self.state.step == self.throughput.first_step + 1 and self.events:
+    def _read_pending(self) -> dict[str, float]:
+        """Reads the steps queued since the last read (every rank at the same step): logs
+        all but the newest, and returns the newest's metrics with the interval's speed."""
+        interval: Interval = self.pending.read()
+        *earlier, (step, metrics) = interval.steps
+        for earlier_step, earlier_metrics in earlier:
+            self.tracker.log_metrics(earlier_metrics, step=earlier_step)
+        self.train_loss = metrics["train/loss"]
+        steps, seconds = len(interval.steps), max(interval.seconds, 1e-9)
+        self.throughput.add(step, seconds, steps * self.tokens_per_step, steps)
+        if step == self.throughput.first_step + 1 and self.events:
             self.events.append(self._event("first_step", segment=self.segment))
-        tokens_per_s = self.tokens_per_step / step_time
-        return {
-            "train/loss": self.train_loss,
-            "train/lr": self.optimizer.param_groups[0]["lr"],
-            "train/grad_norm": float(result.grad_norm),
-            "perf/tokens_per_s": tokens_per_s,
-            "perf/mfu": hardware.mfu(self.flops_per_token, tokens_per_s / self.world, self.device),
-            "perf/step_time_s": step_time,
-            "perf/data_wait_fraction": result.data_wait_s / step_time,
-            "progress/tokens": self.state.tokens,
-        }
+        tokens_per_s = steps * self.tokens_per_step / seconds
+        metrics.update(
+            {
+                "perf/tokens_per_s": tokens_per_s,
+                "perf/mfu": hardware.mfu(
+                    self.flops_per_token, tokens_per_s / self.world, self.device
+                ),
+                "perf/step_time_s": seconds / steps,
+                "perf/data_wait_fraction": min(1.0, interval.data_wait_s / seconds),
+            }
+        )
+        if self.device.type == "cuda":  # the caching allocator's count: no device sync
+            peak = torch.cuda.max_memory_allocated(self.device)
+            metrics["perf/memory_peak_gib"] = peak / 2**30
+        return metrics
 
     def _live_goodput(self) -> dict[str, float]:
         live = summarize(self.events, time.time())
@@ -347,7 +383,7 @@ class Worker:
         return live.metrics(self.state.tokens, self.tokens_per_step)
 
     def _restart_step_clock(self) -> None:
-        self.tick = time.perf_counter()
+        self.pending.restart_clock()
         self.watchdog.beat()
 
     # ------------------------------------------------------------------------------ parts
@@ -355,7 +391,7 @@ class Worker:
     def _step_parts(self) -> StepParts:
         model = self.model
         if not self.sharded:  # sharded: compiled per block and wrapped in place already
-            if self.cfg.training.compile:
+            if self.compile:
                 model = torch.compile(model)
             model = ray.train.torch.prepare_model(model, move_to_device=False)
         return StepParts(
@@ -523,7 +559,9 @@ class Worker:
         return ray.train.Checkpoint(inner, filesystem=fs)
 
     def _beat(self) -> Heartbeat:
-        return Heartbeat(self.segment, self.state.step, time.time(), self.throughput.step_seconds)
+        # Step time is counted at reads; the interval since the last one is step time too.
+        seconds = self.throughput.step_seconds + (self.pending.elapsed() if self.pending else 0.0)
+        return Heartbeat(self.segment, self.state.step, time.time(), seconds)
 
     def _heartbeat(self) -> None:
         if self.heartbeats is not None:
@@ -573,10 +611,11 @@ class Throughput:
         self._tokens, self._seconds = 0, 0.0
         self._last = float("nan")
 
-    def add(self, step: int, seconds: float, tokens: int) -> None:
+    def add(self, step: int, seconds: float, tokens: int, steps: int = 1) -> None:
+        """An interval of `steps` steps ending at `step`."""
         self.step_seconds += seconds
         self._last = tokens / seconds
-        if step > self.first_step + WARMUP_STEPS:
+        if step - steps >= self.first_step + WARMUP_STEPS:
             self._tokens += tokens
             self._seconds += seconds
 

@@ -61,7 +61,7 @@ def train_step(
         micro_positions, tokens = next(batches)
         data_wait += time.perf_counter() - waited
         positions.append(micro_positions.copy())  # a view would pin its Ray Data block
-        t = torch.from_numpy(tokens.astype(np.int64)).to(parts.device, non_blocking=True)
+        t = hardware.tokens_to_device(tokens, parts.device)
         sync = contextlib.nullcontext()
         if parts.is_ddp and micro < accumulation - 1:
             sync = parts.model.no_sync()  # all-reduce gradients once, on the last micro-batch
