@@ -85,7 +85,8 @@ def evaluate(
         flush=True,
     )
     batch = batch_size or trained.training.micro_batch_size or DEFAULT_BATCH
-    metrics = _run_workers(cfg, checkpoint, prepared.directory, batch)
+    run_dir = RunDir(str(storage.Location(checkpoint).parent))
+    metrics = _run_workers(cfg, run_dir, checkpoint, prepared.directory, batch)
     seq_len = trained.model.block_size
     loss = metrics["loss_sum"] / metrics["sequences"]
     result = {
@@ -101,13 +102,19 @@ def evaluate(
         "workers": workers,
         "mlflow_run_id": None,
     }
-    result["mlflow_run_id"] = _log(RunDir(str(storage.Location(checkpoint).parent)), result)
+    result["mlflow_run_id"] = _log(run_dir, result)
     return result
 
 
 def _name_for(sources: list[str]) -> str:
-    stems = [Path(s.removeprefix("builtin:").rstrip("/")).name.split(".")[0] for s in sources]
-    return re.sub(r"[^A-Za-z0-9_.-]+", "-", "_".join(stems))[:64] or "text"
+    """`wiki.test.txt` -> `wiki`, `builtin:python-docs` -> `python-docs`, `s3://b/held/*.jsonl`
+    -> `held`: each source's last path part with a name in it, joined by `_`."""
+    stems = []
+    for source in sources:
+        parts = re.split(r"[/:]", source)
+        names = [re.sub(r"[^A-Za-z0-9_-]+", "", p.split(".")[0]) for p in parts]
+        stems.append(next((n for n in reversed(names) if n), "text"))
+    return "_".join(stems)[:64]
 
 
 def _evaluation_config(
@@ -127,7 +134,9 @@ def _evaluation_config(
         raise UserError(str(exc).splitlines()[-1].strip()) from None
 
 
-def _run_workers(cfg: RunConfig, checkpoint: str, data_dir: str, batch: int) -> dict[str, float]:
+def _run_workers(
+    cfg: RunConfig, run_dir: RunDir, checkpoint: str, data_dir: str, batch: int
+) -> dict[str, float]:
     import ray
     from ray.train import RunConfig as RayRunConfig
     from ray.train import ScalingConfig
@@ -143,23 +152,23 @@ def _run_workers(cfg: RunConfig, checkpoint: str, data_dir: str, batch: int) -> 
         batch=batch,
         precision=cfg.training.precision,
     )
-    with tempfile.TemporaryDirectory(prefix="raytrain-lm-eval-") as scratch:
-        trainer = TorchTrainer(
-            lambda: eval_loop_per_worker(spec),
-            torch_config=TorchConfig(backend="nccl" if gpu else "gloo"),
-            scaling_config=ScalingConfig(
-                num_workers=cfg.scaling.num_workers,
-                use_gpu=gpu,
-                **worker_resources(cfg.scaling, gpu, ray.cluster_resources()),
-            ),
-            # Nothing is checkpointed: Ray Train's own records stay on the driver's disk.
-            run_config=RayRunConfig(
-                name=f"eval-{int(time.time())}",
-                storage_path=scratch,
-                logging_config=LoggingConfig(log_level="WARNING"),
-            ),
-        )
-        return trainer.fit().return_value
+    trainer = TorchTrainer(
+        lambda: eval_loop_per_worker(spec),
+        torch_config=TorchConfig(backend="nccl" if gpu else "gloo"),
+        scaling_config=ScalingConfig(
+            num_workers=cfg.scaling.num_workers,
+            use_gpu=gpu,
+            **worker_resources(cfg.scaling, gpu, ray.cluster_resources()),
+        ),
+        # Nothing is checkpointed; Ray Train's own records of the evaluation go beside the
+        # run's checkpoints, in storage every node of a multi-node run can reach.
+        run_config=RayRunConfig(
+            name=f"eval-{time.strftime('%Y%m%d-%H%M%S')}",
+            storage_path=str(run_dir.at("evaluations")),
+            logging_config=LoggingConfig(log_level="WARNING"),
+        ),
+    )
+    return trainer.fit().return_value
 
 
 def _log(run_dir: RunDir, result: dict[str, Any]) -> str | None:

@@ -41,7 +41,8 @@ def _by_hand(checkpoint: Path, data_dir: str) -> tuple[float, int]:
 def test_eval_scores_any_text_on_two_workers_and_logs_it(
     learned_run, shared_dirs, tmp_path, capsys
 ):
-    runs = learned_run["output_dir"]
+    runs = tmp_path / "runs"  # a copy: the shared run stays as it was (its MLflow run is one)
+    shutil.copytree(learned_run["output_dir"] / "learns", runs / "learns")
     text = tmp_path / "held.out.py"
     shutil.copy(TEXT, text)
     code = cli.run(
@@ -68,6 +69,8 @@ def test_eval_scores_any_text_on_two_workers_and_logs_it(
     assert client.get_run(run_id).info.status == "FINISHED"  # left as the run ended
     artifacts = [a.path for a in client.list_artifacts(run_id, "evaluations")]
     assert artifacts == ["evaluations/held-step40.json"]
+    # Ray Train's records of it sit beside the run's checkpoints, where every node can reach
+    assert len(list((runs / "learns" / "evaluations").iterdir())) == 1
 
 
 @pytest.mark.parametrize(
