@@ -5,8 +5,8 @@
 #
 #   benchmarks/gpu_check.sh [--dry-run] [--out gpu_check.json]
 #
-# Run from the repository with its environment (`make install`, or PYTHON=...).
+# It uses the repository's environment (`make install`), or the Python in $PYTHON.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-PYTHON="${PYTHON:-.venv/bin/python}"
-exec "$PYTHON" benchmarks/gpu_check.py "$@"
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+PYTHON="${PYTHON:-$ROOT/.venv/bin/python}"
+exec "$PYTHON" "$ROOT/benchmarks/gpu_check.py" "$@"

@@ -144,7 +144,9 @@ def _parser() -> argparse.ArgumentParser:
         "--name", help="the metrics' name in MLflow: eval/NAME/loss (default: from --data)"
     )
     evaluation.add_argument(
-        "--batch-size", type=_POSITIVE_INT, help="sequences per forward pass (default 8)"
+        "--batch-size",
+        type=_POSITIVE_INT,
+        help="sequences per forward pass (default: the run's training.micro_batch_size, else 8)",
     )
     evaluation.add_argument(
         "--max-bytes", type=_POSITIVE_INT, help="read at most this many bytes of text (default all)"

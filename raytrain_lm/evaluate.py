@@ -4,8 +4,8 @@ The text takes the run's own data path: `prepare` tokenizes it with the run's to
 token shards (every token held out, none for training), then a group of Ray Train workers
 scores it with the checkpoint's weights, each a strided share of the sequences, and the sums
 are all-reduced. A sequence is `model.block_size + 1` tokens of one shard, the windows
-overlapping by one token, so every token but each shard's first is scored exactly once, with
-up to `block_size` tokens of context. The figures are logged to the run's MLflow run at the
+overlapping by one token, so each token is scored at most once, with up to `block_size`
+tokens of context; each shard's first token and its tail shorter than a window are not. The figures are logged to the run's MLflow run at the
 checkpoint's step (`eval/<name>/loss`, `eval/<name>/perplexity`), with a JSON record.
 """
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import tempfile
 import time
@@ -33,6 +34,7 @@ from raytrain_lm.rundir import CONFIG_FILE, TOKENIZER_FILE, TRACKING_FILE, RunDi
 from raytrain_lm.runtime import ensure_ray, use_gpu
 from raytrain_lm.tokenization import tokenizer_from_json
 from raytrain_lm.trainer.checkpoint import read_state
+from raytrain_lm.trainer.storage_checks import check_nodes_see
 
 DEFAULT_BATCH = 8
 
@@ -60,13 +62,16 @@ def evaluate(
     if not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
         raise UserError(f"eval name {name!r}: use letters, digits, '_', '.' and '-' only")
     checkpoint = resolve_checkpoint(str(run), str(output_dir))
+    if not storage.is_uri(checkpoint):  # workers run in folders of their own
+        checkpoint = os.path.abspath(checkpoint)
+    run_dir = RunDir(str(storage.Location(checkpoint).parent))
     trained = RunConfig.model_validate(
         yaml.safe_load(storage.read_bytes(storage.join(checkpoint, CONFIG_FILE)))
     )
     tokenizer = tokenizer_from_json(
         storage.read_bytes(storage.join(checkpoint, TOKENIZER_FILE)).decode("utf-8")
     )
-    cfg = _evaluation_config(trained, sources, workers, max_bytes)
+    cfg = _evaluation_config(trained, run_dir, sources, workers, max_bytes)
     check_inputs(cfg.data)  # a source that names nothing is refused before Ray starts
     ensure_ray(cfg.scaling)
     prepared = prepare(cfg.data, tokenizer=tokenizer, held_out_only=True)
@@ -85,7 +90,7 @@ def evaluate(
         flush=True,
     )
     batch = batch_size or trained.training.micro_batch_size or DEFAULT_BATCH
-    run_dir = RunDir(str(storage.Location(checkpoint).parent))
+    check_nodes_see(cfg, prepared.directory)
     metrics = _run_workers(cfg, run_dir, checkpoint, prepared.directory, batch)
     seq_len = trained.model.block_size
     loss = metrics["loss_sum"] / metrics["sequences"]
@@ -118,10 +123,11 @@ def _name_for(sources: list[str]) -> str:
 
 
 def _evaluation_config(
-    trained: RunConfig, sources: list[str], workers: int, max_bytes: int | None
+    trained: RunConfig, run_dir: RunDir, sources: list[str], workers: int, max_bytes: int | None
 ) -> RunConfig:
     """The run's config with the text to score and a fixed group of `workers`."""
     raw = trained.model_dump()
+    raw["output_dir"] = str(run_dir.parent)  # where the run is now
     raw["data"] |= {"sources": list(sources), "prepared": None, "max_source_bytes": max_bytes}
     raw["data"]["tokenizer"]["path"] = None  # the checkpoint's own tokenizer is used
     raw["scaling"] |= {"num_workers": workers, "min_workers": None, "max_workers": None}

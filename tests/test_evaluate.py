@@ -39,15 +39,15 @@ def _by_hand(checkpoint: Path, data_dir: str) -> tuple[float, int]:
 
 
 def test_eval_scores_any_text_on_two_workers_and_logs_it(
-    learned_run, shared_dirs, tmp_path, capsys
+    learned_run, shared_dirs, tmp_path, monkeypatch, capsys
 ):
     runs = tmp_path / "runs"  # a copy: the shared run stays as it was (its MLflow run is one)
     shutil.copytree(learned_run["output_dir"] / "learns", runs / "learns")
     text = tmp_path / "held.out.py"
     shutil.copy(TEXT, text)
-    code = cli.run(
-        ["eval", "learns", "--data", str(text), "--workers", "2", "--output-dir", str(runs)]
-    )
+    # As a user types it: paths relative to where they are (the workers run elsewhere).
+    monkeypatch.chdir(tmp_path)
+    code = cli.run(["eval", "learns", "--data", "held.out.py", "--workers", "2"])
     out = capsys.readouterr().out
     assert code == 0, out
     result = json.loads(out.split("result: ", 1)[1].splitlines()[0])

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Literal
 
 import numpy as np
@@ -48,10 +49,12 @@ class FlagChannel:
     costs one host round trip instead, and the device's queue keeps running.
     """
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, timeout_s: float):
         self.group = None
         if _distributed() and device.type != "cpu":
-            self.group = dist.new_group(backend="gloo")  # a collective: every rank creates it
+            # A collective: every rank creates it. Across nodes gloo finds its interface from
+            # the hostname; where that resolves to a loopback address, set GLOO_SOCKET_IFNAME.
+            self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
 
     def share(self, flags: list[int]) -> list[int]:
         if not _distributed():

@@ -4,10 +4,13 @@ of the held-out text with the checkpoint's weights; the sums are all-reduced."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
-from raytrain_lm.data.manifest import Manifest
+from raytrain_lm.data.manifest import MANIFEST_FILE, Manifest
+from raytrain_lm.rundir import CONFIG_FILE
 from raytrain_lm.trainer import hardware
 from raytrain_lm.trainer.evaluation import Evaluator
+from raytrain_lm.trainer.storage_checks import check_visible
 
 
 @dataclass(frozen=True)
@@ -25,6 +28,12 @@ def eval_loop_per_worker(spec: EvalSpec) -> dict[str, float]:
 
     from raytrain_lm.generate import load_model
 
+    check_visible(
+        [
+            ("the checkpoint", spec.checkpoint, Path(spec.checkpoint, CONFIG_FILE)),
+            ("data.cache_dir", spec.data_dir, Path(spec.data_dir, MANIFEST_FILE)),
+        ]
+    )
     context = ray.train.get_context()
     device = ray.train.torch.get_device()
     hardware.configure_device(device)

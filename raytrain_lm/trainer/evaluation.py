@@ -66,7 +66,8 @@ class Evaluator:
             t = hardware.tokens_to_device(tokens, self.device)
             total += self._loss(model, t).double() * t.shape[0]
             count += t.shape[0]
-        filler = torch.zeros((1, self.seq_len + 1), dtype=torch.int64, device=self.device)
+        # Shaped as a full batch: a compiled model would recompile for another shape.
+        filler = torch.zeros((self.batch, self.seq_len + 1), dtype=torch.int64, device=self.device)
         for _ in range(passes - len(share)):
             self._loss(model, filler)
         model.train()

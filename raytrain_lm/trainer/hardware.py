@@ -93,6 +93,8 @@ def tokens_to_device(tokens: np.ndarray, device: torch.device) -> torch.Tensor:
     """Token ids as int64 on `device`. They cross in the shards' compact dtype (a quarter of
     int64's bytes for uint16); on CUDA from pinned memory, so the copy is truly asynchronous
     (torch's caching host allocator keeps the pinned buffer until the copy is done)."""
+    if not tokens.flags.writeable:  # Ray Data's batches: torch wants a buffer it may own
+        tokens = tokens.copy()
     twin = _SIGNED_TWIN.get(tokens.dtype)
     host = torch.from_numpy(tokens.view(twin) if twin is not None else tokens)
     if device.type == "cuda":

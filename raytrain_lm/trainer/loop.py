@@ -139,7 +139,7 @@ class Worker:
         self.decay_steps = cfg.optim.decay_steps or cfg.training.max_steps
         self.every = Cadences.of(cfg)
         self.watchdog = StepWatchdog(cfg.fault.step_timeout_s)
-        self.flag_channel = FlagChannel(self.device)
+        self.flag_channel = FlagChannel(self.device, cfg.fault.collective_timeout_s)
         self.pending = PendingSteps(world)
         self.sync_counter = faults.sync_counter(spec.fault)
 
@@ -391,9 +391,9 @@ class Worker:
     def _step_parts(self) -> StepParts:
         model = self.model
         if not self.sharded:  # sharded: compiled per block and wrapped in place already
-            if self.compile:
-                model = torch.compile(model)
             model = ray.train.torch.prepare_model(model, move_to_device=False)
+            if self.compile:  # around DDP, so that gradient buckets overlap the backward
+                model = torch.compile(model)
         return StepParts(
             model, self.model, self.optimizer, self.plan, self.device, self.bf16,
             self.cfg.optim.grad_clip,

@@ -31,8 +31,10 @@ class StepParts:
     grad_clip: float  # 0: no clipping
 
     @property
-    def is_ddp(self) -> bool:
-        return isinstance(self.model, torch.nn.parallel.DistributedDataParallel)
+    def ddp(self) -> torch.nn.parallel.DistributedDataParallel | None:
+        """The DDP wrapper, inside torch.compile's when compiled."""
+        inner = getattr(self.model, "_orig_mod", self.model)
+        return inner if isinstance(inner, torch.nn.parallel.DistributedDataParallel) else None
 
 
 @dataclass
@@ -63,8 +65,8 @@ def train_step(
         positions.append(micro_positions.copy())  # a view would pin its Ray Data block
         t = hardware.tokens_to_device(tokens, parts.device)
         sync = contextlib.nullcontext()
-        if parts.is_ddp and micro < accumulation - 1:
-            sync = parts.model.no_sync()  # all-reduce gradients once, on the last micro-batch
+        if parts.ddp is not None and micro < accumulation - 1:
+            sync = parts.ddp.no_sync()  # all-reduce gradients once, on the last micro-batch
         with sync:
             with hardware.autocast(parts.device, parts.bf16):
                 _, loss = parts.model(t[:, :-1], t[:, 1:])  # (B, T) in, scalar loss out

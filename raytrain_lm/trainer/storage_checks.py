@@ -81,10 +81,17 @@ def _nodes_missing(nodes: list[dict], paths: dict[str, str]) -> dict[str, list[s
 def check_worker_sees(run_dir_location: str, data_dir: str, output_dir: str) -> None:
     """In a worker: the run's local folders must be visible on this node (see
     `check_nodes_see`; this catches nodes that joined after the run started)."""
-    checks = [
-        ("output_dir", output_dir, Path(run_dir_location, CONFIG_FILE)),
-        ("data.cache_dir", data_dir, Path(data_dir, MANIFEST_FILE)),
-    ]
+    check_visible(
+        [
+            ("output_dir", output_dir, Path(run_dir_location, CONFIG_FILE)),
+            ("data.cache_dir", data_dir, Path(data_dir, MANIFEST_FILE)),
+        ]
+    )
+
+
+def check_visible(checks: list[tuple[str, str, Path]]) -> None:
+    """In a worker: each (setting, folder, a file the folder holds) must be readable here
+    when the folder is local."""
     for what, folder, witness in checks:
         if not is_uri(folder) and not witness.exists():
             raise UserError(
