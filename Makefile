@@ -29,23 +29,18 @@ demo: $(STAMP)
 
 # Tests that start Rays of their own (chaos: a multi-node Ray whose nodes they kill, drain and
 # bring back; own_ray: a cluster, a notebook kernel or a CLI sweep) run in a second pytest
-# process beside those sharing the session's Ray, and `solo` ones (a long script in a
-# subprocess: the GPU check's dry run) in a third. They spend most of their time waiting on
-# nodes and processes, not computing. Their output follows; the target fails if any fails.
+# process beside those sharing the session's Ray. They spend much of their time waiting on
+# nodes and processes. Their output follows; the target fails if either process fails.
 ALONGSIDE := chaos or own_ray
-SOLO := solo
 test: $(STAMP)
 	@# The project's own bytecode too (see $(STAMP)): each test process imports it afresh.
 	@$(PY) -m compileall -q raytrain_lm tests > /dev/null
-	@$(VENV)/bin/pytest -q -p no:cacheprovider --durations=3 -m "$(SOLO)" > .tests-solo.log 2>&1 & solo=$$!; \
-	$(VENV)/bin/pytest -q -p no:cacheprovider --durations=10 -m "($(ALONGSIDE)) and not $(SOLO)" > .tests-alongside.log 2>&1 & alongside=$$!; \
-	$(VENV)/bin/pytest -q --durations=10 -m "not ($(ALONGSIDE) or $(SOLO))"; rest=$$?; \
-	wait $$alongside; alongside_status=$$?; wait $$solo; solo_status=$$?; \
-	echo "----- tests with Rays of their own (pytest -m \"($(ALONGSIDE)) and not $(SOLO)\"), run alongside -----"; \
+	@$(VENV)/bin/pytest -q -p no:cacheprovider --durations=10 -m "$(ALONGSIDE)" > .tests-alongside.log 2>&1 & alongside=$$!; \
+	$(VENV)/bin/pytest -q --durations=10 -m "not ($(ALONGSIDE))"; rest=$$?; \
+	wait $$alongside; alongside_status=$$?; \
+	echo "----- tests with Rays of their own (pytest -m \"$(ALONGSIDE)\"), run alongside -----"; \
 	cat .tests-alongside.log; \
-	echo "----- solo tests (pytest -m $(SOLO)), run alongside too -----"; \
-	cat .tests-solo.log; \
-	test $$rest -eq 0 && test $$alongside_status -eq 0 && test $$solo_status -eq 0
+	test $$rest -eq 0 && test $$alongside_status -eq 0
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -77,6 +77,9 @@ class Runs:
             f"tracking.uri=sqlite:///{workdir / 'mlflow.db'}",
             "scaling.num_workers=1",
             "training.sample_tokens=0",
+            # Ray Train acts on what it sees when it polls its workers (default every 2 s):
+            # each start, checkpoint and end would wait for the next poll.
+            "fault.health_check_s=0.25",
         ]
         if dry_run:  # a small corpus: the code paths are the same
             self.common += ["data.sources=builtin:python-docs", "data.max_source_bytes=300000"]

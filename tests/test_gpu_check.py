@@ -15,7 +15,6 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.own_ray
-@pytest.mark.solo  # a process of its own in `make test`: it mostly waits on its subprocess
 def test_gpu_check_dry_run_writes_its_figures(tmp_path):
     out = tmp_path / "gpu_check.json"
     env = {**os.environ, "PYTHON": sys.executable}
