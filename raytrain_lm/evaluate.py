@@ -5,8 +5,9 @@ token shards (every token held out, none for training), then a group of Ray Trai
 scores it with the checkpoint's weights, each a strided share of the sequences, and the sums
 are all-reduced. A sequence is `model.block_size + 1` tokens of one shard, the windows
 overlapping by one token, so each token is scored at most once, with up to `block_size`
-tokens of context; each shard's first token and its tail shorter than a window are not. The figures are logged to the run's MLflow run at the
-checkpoint's step (`eval/<name>/loss`, `eval/<name>/perplexity`), with a JSON record.
+tokens of context; each shard's first token and its tail shorter than a window are not.
+The figures are logged to the run's MLflow run at the checkpoint's step (`eval/<name>/loss`,
+`eval/<name>/perplexity`), with a JSON record.
 """
 
 from __future__ import annotations

@@ -12,7 +12,6 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Literal
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -61,4 +60,4 @@ class FlagChannel:
             return flags
         tensor = torch.tensor(flags, dtype=torch.int64)
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
-        return np.asarray(tensor.numpy()).tolist()  # a host tensor: no device to wait for
+        return tensor.numpy().tolist()  # a host tensor: no device to wait for
