@@ -233,6 +233,13 @@ class ParallelConfig(_Section):
     )
 
 
+BALANCE_AUTO_UNDER_FSDP = (
+    "scaling.balance=auto times each rank's forward passes, which under FSDP wait on the "
+    "other ranks' all-gathers; use parallel.strategy=ddp, or weights by type such as "
+    "scaling.balance={A100: 3, L4: 1}"
+)
+
+
 class ScalingConfig(_Section):
     num_workers: int = Field(2, ge=1, description="workers for a fixed-size run")
     min_workers: int | None = Field(
@@ -260,10 +267,37 @@ class ScalingConfig(_Section):
     allow_mixed_accelerators: bool = Field(
         False, description="let one run's DDP group span several accelerator types"
     )
+    balance: Literal["none", "auto"] | dict[str, float] = Field(
+        "none",
+        description="shares of the global batch: none (equal), auto (by measured speed) or "
+        "weights by accelerator type, e.g. {A100: 3, L4: 1, default: 1}",
+    )
+    balance_tolerance: float = Field(
+        0.15,
+        gt=0.0,
+        description="balance: auto re-plans at a checkpoint when the slowest rank's forward "
+        "time per step exceeds the mean by more than this fraction",
+    )
     resize_check_s: float = Field(
         60.0, gt=0.0, description="elastic runs: how often to look for room to grow"
     )
     ray_address: str | None = Field(None, description="cluster to join; None: start a local Ray")
+
+    @field_validator("balance", mode="before")
+    @classmethod
+    def _positive_weights(cls, value: Any) -> Any:
+        if not isinstance(value, dict) and value not in ("none", "auto"):
+            raise ValueError(
+                "scaling.balance must be none, auto or weights by accelerator type such as "
+                "{A100: 3, L4: 1}"
+            )
+        if isinstance(value, dict):
+            if not value:
+                raise ValueError("scaling.balance: give weights by type, or none or auto")
+            bad = {k: w for k, w in value.items() if not (isinstance(w, int | float) and w > 0)}
+            if bad:
+                raise ValueError(f"scaling.balance weights must be positive: {bad}")
+        return value
 
     @model_validator(mode="after")
     def _elastic_bounds(self) -> ScalingConfig:
@@ -454,7 +488,17 @@ class RunConfig(_Section):
     def _batch_fits_workers(self) -> RunConfig:
         # The global batch never changes with the world size, so it must split evenly at
         # every size an elastic run may take: refuse up front, not at the first resize.
+        # Balanced shares are uneven anyway: one sequence per rank is all they need.
         micro = self.training.micro_batch_size
+        if self.scaling.balance != "none":
+            if self.training.global_batch_size < self.scaling.max_size:
+                raise ValueError(
+                    f"training.global_batch_size ({self.training.global_batch_size}) gives "
+                    f"fewer than one sequence to each of up to {self.scaling.max_size} workers"
+                )
+            if self.scaling.balance == "auto" and self.parallel.strategy == "fsdp":
+                raise ValueError(BALANCE_AUTO_UNDER_FSDP)
+            return self
         for world in self.scaling.world_sizes:
             unit = world * (micro or 1)
             if self.training.global_batch_size % unit:

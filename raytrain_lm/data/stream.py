@@ -2,8 +2,9 @@
 through Ray Data, starting at the checkpointed position.
 
 Global step s consumes positions [s*G, (s+1)*G) of the sequence order (G = global batch);
-rank r of W takes the contiguous slice [s*G + r*G/W, s*G + (r+1)*G/W), split into micro-batches
-in order. Ray Data runs the reads as tasks (parallel, prefetched, bounded by its streaming
+rank r takes the contiguous slice of its share n_r that starts after the lower ranks' shares
+(n_r = G/W for equal shares; `scaling.balance` makes them uneven), and splits it into its
+forward passes (step.py). Ray Data runs the reads as tasks (parallel, prefetched, bounded by its streaming
 executor); the position arithmetic is ours, so a restart at any world size resumes exactly.
 """
 
@@ -64,19 +65,29 @@ class ShardCache:
 
 @dataclass(frozen=True)
 class WorkerSlice:
-    """Which positions one worker consumes: `per_rank` sequences of every global batch."""
+    """Which positions one worker consumes: `per_rank` sequences of every global batch, after
+    those of the lower ranks. `shares`: each rank's sequences per step (None: equal)."""
 
     rank: int
     world_size: int
     global_batch: int
+    shares: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.shares is None:
+            object.__setattr__(
+                self, "shares", (self.global_batch // self.world_size,) * self.world_size
+            )
+        assert len(self.shares) == self.world_size and sum(self.shares) == self.global_batch, self
 
     @property
     def per_rank(self) -> int:
-        return self.global_batch // self.world_size
+        return self.shares[self.rank]
 
     def positions(self, first_step: int, num_steps: int) -> np.ndarray:
         steps = np.arange(first_step, first_step + num_steps, dtype=np.int64)[:, None]
-        offsets = self.rank * self.per_rank + np.arange(self.per_rank, dtype=np.int64)[None, :]
+        first = sum(self.shares[: self.rank])
+        offsets = first + np.arange(self.per_rank, dtype=np.int64)[None, :]
         return (steps * self.global_batch + offsets).reshape(-1)
 
 
@@ -115,14 +126,15 @@ def stream_train_batches(
     manifest: Manifest,
     order: SequenceOrder,
     part: WorkerSlice,
-    micro_batch: int,
+    batch_size: int,
     first_step: int,
     end_step: int,
     prefetch_batches: int = 4,
     read_cpus: float = 0.5,
 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """Yields (positions, tokens[micro_batch, seq_len + 1]) for steps [first_step, end_step).
-    A shard that the reader finds missing or corrupted raises its UserError here."""
+    """Yields (positions, tokens[batch_size, seq_len + 1]) for steps [first_step, end_step);
+    the training loop asks for its whole share of a step at once. A shard that the reader finds
+    missing or corrupted raises its UserError here."""
     import ray.data
 
     items = [
@@ -140,7 +152,7 @@ def stream_train_batches(
         num_cpus=read_cpus,
     )
     for batch in dataset.iter_batches(
-        batch_size=micro_batch, batch_format="numpy", prefetch_batches=prefetch_batches
+        batch_size=batch_size, batch_format="numpy", prefetch_batches=prefetch_batches
     ):
         failed = np.flatnonzero(batch["position"] < 0)
         if len(failed):

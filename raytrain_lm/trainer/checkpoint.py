@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import pyarrow.fs as pafs
@@ -59,6 +59,8 @@ class TrainState:
     val_step: int | None = None  # the step val_loss was measured at
     train_loss: float | None = None  # at this step, all ranks: the figures of the run so far
     tokens_per_s: float | None = None
+    shares: list[int] = field(default_factory=list)  # each rank's sequences per step, for the log
+    per_type: dict[str, dict[str, float]] = field(default_factory=dict)  # by accelerator type
 
 
 def tied_aliases(model: torch.nn.Module) -> dict[str, str]:

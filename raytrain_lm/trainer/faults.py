@@ -9,6 +9,11 @@
   reported and uploaded whole (that report waits for its upload), before the next step.
 - `slow-steps:seconds=0.05`: every step takes at least that long, so a test's node changes
   happen mid-run however fast the machine is.
+- `device-time:seconds=0.003:rank=1:factor=3`: a simulated device. Every rank's forward pass
+  takes `seconds` longer per sequence and its backward twice that (the host sleeps, as it
+  waits for a GPU); the named rank's take `factor` times as long, as a slower GPU type beside
+  faster ones (scaling.balance's test and benchmark). Unlike the real work on these shared
+  CPU cores, the simulated time does not change with the machine's load.
 
 And one diagnostic, which changes nothing:
 
@@ -36,6 +41,7 @@ class Fault:
     step: int | None = None
     rank: int | None = None
     seconds: float = 0.0
+    factor: float = 1.0  # device-time: how much slower the named rank is
 
 
 def parse(spec: str | None) -> Fault | None:
@@ -48,6 +54,7 @@ def parse(spec: str | None) -> Fault | None:
         step=int(fields["step"]) if "step" in fields else None,
         rank=int(fields["rank"]) if "rank" in fields else None,
         seconds=float(fields.get("seconds", 0.0)),
+        factor=float(fields.get("factor", 1.0)),
     )
 
 
@@ -75,6 +82,25 @@ def maybe_fire(fault: Fault | None, point: str, step: int, rank: int, run_dir: R
 def pace(fault: Fault | None, step_started: float) -> None:
     if fault is not None and fault.point == "slow-steps":
         time.sleep(max(0.0, fault.seconds - (time.perf_counter() - step_started)))
+
+
+def simulate_device(model, fault: Fault | None, rank: int) -> None:
+    """With `device-time`, makes `model`'s forward, and the backward of its loss, take the
+    simulated device's time per sequence on this rank."""
+    if fault is None or fault.point != "device-time":
+        return
+    import torch
+
+    per_sequence = fault.seconds * (fault.factor if fault.rank == rank else 1.0)
+
+    def after_forward(module, args, output):
+        forward_s = per_sequence * args[0].shape[0]  # args[0]: token ids (B, T)
+        time.sleep(forward_s)
+        loss = output[1] if isinstance(output, tuple) else None
+        if isinstance(loss, torch.Tensor) and loss.requires_grad:
+            loss.register_hook(lambda grad: time.sleep(2 * forward_s))
+
+    model.register_forward_hook(after_forward)
 
 
 class SyncCounter:

@@ -26,6 +26,7 @@ GPU_PEAK_FLOPS = {
 # CPU MFU is a lower bound.
 CPU_PEAK_FLOPS_PER_THREAD = {"AVX512": 16 * 2 * 2 * 3.5e9, "AVX2": 8 * 2 * 2 * 3.5e9}
 CPU_PEAK_FLOPS_FALLBACK = 4 * 2 * 2 * 3.5e9
+UNKNOWN_GPU_PEAK_FLOPS = 312e12  # A100-class, so that an unknown GPU's MFU errs low
 
 
 def gpu_peak_flops(name: str) -> float | None:
@@ -40,7 +41,7 @@ def gpu_peak_flops(name: str) -> float | None:
 def peak_flops(device: torch.device) -> float:
     if device.type == "cuda":
         peak = gpu_peak_flops(torch.cuda.get_device_name(device))
-        return 312e12 if peak is None else peak  # unknown GPU: A100-class, so MFU errs low
+        return UNKNOWN_GPU_PEAK_FLOPS if peak is None else peak
     capability = torch.backends.cpu.get_cpu_capability()
     per_thread = CPU_PEAK_FLOPS_PER_THREAD.get(capability, CPU_PEAK_FLOPS_FALLBACK)
     return per_thread * max(1, torch.get_num_threads())

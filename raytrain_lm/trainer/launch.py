@@ -231,6 +231,11 @@ def _publish(spec: WorkerSpec, tracker, started: float, stopped: bool) -> dict[s
         "train_loss": state.train_loss,
         "val_loss": state.val_loss,
         "tokens_per_s": state.tokens_per_s,
+        "shares": state.shares,
+        "per_type": {
+            kind: {k: round(v, 4) for k, v in figures.items()}
+            for kind, figures in state.per_type.items()
+        },
         "wall_s": round(time.time() - started, 1),
         "mlflow_run_id": tracker.run_id if tracker else None,
         "checkpoint": str(final),

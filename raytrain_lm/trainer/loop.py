@@ -16,7 +16,7 @@ import sys
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from ray.train import CheckpointUploadMode
 
-from raytrain_lm.config import RunConfig, to_yaml
+from raytrain_lm.config import BALANCE_AUTO_UNDER_FSDP, RunConfig, to_yaml
 from raytrain_lm.data import ledger
 from raytrain_lm.data.manifest import Manifest
 from raytrain_lm.data.order import SequenceOrder
@@ -41,6 +41,14 @@ from raytrain_lm.storage import filesystem
 from raytrain_lm.tokenization import load_tokenizer
 from raytrain_lm.tracking import MLflowTracker, NullTracker, Tracker
 from raytrain_lm.trainer import faults, hardware, signals
+from raytrain_lm.trainer.balance import (
+    MEASURE_STEPS,
+    ForwardClock,
+    Speeds,
+    per_type_metrics,
+    replan_weights,
+    type_weights,
+)
 from raytrain_lm.trainer.cadence import Every
 from raytrain_lm.trainer.callbacks import alive_node_ids
 from raytrain_lm.trainer.checkpoint import (
@@ -108,7 +116,6 @@ class Worker:
 
         self.manifest = Manifest.load(spec.data_dir)
         self.tokenizer_json = load_tokenizer(spec.data_dir).to_json()
-        self.plan = BatchPlan.derive(cfg.training, world)
         self.end_step = end_step(cfg.training)
         torch.manual_seed(cfg.training.seed)
         self.model = build_model(cfg.model, self.manifest.vocab_size).to(self.device)
@@ -125,6 +132,8 @@ class Worker:
                 cfg.parallel.reshard_after_forward,
                 compile_blocks=self.compile,
             )
+        self.types = _accelerator_types(world)  # each rank's, the same list on every rank
+        self.plan = self._initial_plan()
         self.optimizer = hardware.build_adamw(
             self.model.optimizer_groups(cfg.optim.weight_decay),
             cfg.optim.lr,
@@ -135,13 +144,15 @@ class Worker:
         if self.is_chief and spec.tracking is not None:
             self.tracker = MLflowTracker(spec.tracking.uri, spec.tracking.run_id)
         self.flops_per_token = self.model.flops_per_token()
-        self.tokens_per_step = self.plan.global_batch * cfg.model.block_size
+        self.tokens_per_step = cfg.training.global_batch_size * cfg.model.block_size
         self.decay_steps = cfg.optim.decay_steps or cfg.training.max_steps
         self.every = Cadences.of(cfg)
         self.watchdog = StepWatchdog(cfg.fault.step_timeout_s)
         self.flag_channel = FlagChannel(self.device, cfg.fault.collective_timeout_s)
         self.pending = PendingSteps(world)
         self.sync_counter = faults.sync_counter(spec.fault)
+        self.clock = ForwardClock(self.device) if cfg.scaling.balance == "auto" else None
+        faults.simulate_device(self.model, spec.fault, rank)
 
         self.state = TrainState()
         self.segment = uuid.uuid4().hex[:12]
@@ -183,6 +194,17 @@ class Worker:
                 self.is_chief,
             )
         return strategy
+
+    def _initial_plan(self) -> BatchPlan:
+        """Equal shares, or shares by type weights (`scaling.balance`); `auto` starts equal
+        and re-plans once it has measured (see `_rebalance`)."""
+        setting, training = self.cfg.scaling.balance, self.cfg.training
+        if setting == "none":
+            return BatchPlan.derive(training, self.world)
+        if setting == "auto" and self.sharded:  # strategy auto chose FSDP in the workers
+            raise UserError(BALANCE_AUTO_UNDER_FSDP)
+        weights = [1.0] * self.world if setting == "auto" else type_weights(setting, self.types)
+        return BatchPlan.derive(training, self.world, weights, same_passes=self.sharded)
 
     # ------------------------------------------------------------------------------ restore
 
@@ -234,7 +256,7 @@ class Worker:
         """Records this worker group's start (events, ledger, first metrics) and announces it."""
         state, plan = self.state, self.plan
         price = self.cfg.fault.price_per_hour
-        my_type = _node_accelerator_type() if price else "cpu"
+        my_type = self.types[self.rank]
         group_price = all_reduce([price.get(my_type, price.get("default", 0.0))], self.device)
         if self.is_chief:
             if self.cfg.training.ledger:
@@ -251,37 +273,43 @@ class Worker:
                     restored_step=state.step,
                     world_size=self.world,
                     accumulation=plan.accumulation,
+                    shares=list(plan.shares),
+                    types=self.types,
                     price_per_hour=group_price[0],
                     nodes=sorted(alive_node_ids()),  # lets a failure tell a lost node
                 )
             ]
             origin = f"resumed at step {state.step} ({state.tokens:,} tokens)"
             _announce(
-                f"{origin if state.step else 'started'}; world size {self.world}, micro-batch "
-                f"{plan.micro_batch}, accumulation {plan.accumulation}, global batch "
-                f"{plan.global_batch}"
+                f"{origin if state.step else 'started'}; world size {self.world}, "
+                + plan.describe()
             )
         self.tracker.log_metrics(
-            {"world_size": self.world, "accumulation_steps": plan.accumulation}, step=state.step
+            {"world_size": self.world, "accumulation_steps": plan.accumulation}
+            | self._plan_metrics(),
+            step=state.step,
         )
 
     # ------------------------------------------------------------------------------ train
 
     def train(self) -> None:
         state, every = self.state, self.every
-        parts, batches, evaluate = self._step_parts(), self._batches(), self._evaluator()
+        self.parts, self.batches, evaluate = self._step_parts(), self._batches(), self._evaluator()
         progress = None
         if self.is_chief and self.cfg.training.progress:
             progress = ProgressBar(self.end_step, state.step, self.cfg.training.log_every)
         # Reads at a group's first step and at the end of its warm-up, so that neither the
         # start-up nor the warm-up steps blur a steady interval's tokens/s.
         forced_reads = {state.step + 1, state.step + WARMUP_STEPS}
+        measured_from = state.step + WARMUP_STEPS  # balance auto: what came before is warm-up
+        if self.clock is not None:
+            forced_reads.add(measured_from + MEASURE_STEPS)  # the first plan from measurements
         self.watchdog.start()
         self.pending.restart_clock()
         if self.sync_counter is not None:
             self.sync_counter.reset()  # restoring and starting read values: not steps
         while state.step < self.end_step:
-            self._take_step(parts, batches)
+            self._take_step(self.parts, self.batches)
             flags = self._share_flags()
             last = state.step == self.end_step
             if every.heartbeat.due(state.step, self.end_step):
@@ -311,6 +339,13 @@ class Worker:
             if checkpoint_due:
                 self._report_checkpoint(final=last)
                 self._restart_step_clock()
+            if self.clock is not None and not last:
+                if state.step == measured_from:
+                    self.clock.take()  # the warm-up's forwards: not this device's steady pace
+                elif state.step == measured_from + MEASURE_STEPS or (
+                    checkpoint_due and state.step > measured_from
+                ):
+                    self._rebalance(first=state.step == measured_from + MEASURE_STEPS)
             if self.sync_counter is not None:
                 self.sync_counter.close_read(state.step)
         if self.heartbeats is not None:
@@ -333,7 +368,7 @@ class Worker:
         state.tokens += self.tokens_per_step
         state.position += self.plan.global_batch
         if cfg.training.ledger:
-            self.ledger.extend(result.positions)
+            self.ledger.append(result.positions)
         host_metrics = {"train/lr": lr, "progress/tokens": state.tokens}
         self.pending.add(
             state.step, result.loss, result.grad_norm, host_metrics, result.data_wait_s
@@ -375,7 +410,60 @@ class Worker:
         if self.device.type == "cuda":  # the caching allocator's count: no device sync
             peak = torch.cuda.max_memory_allocated(self.device)
             metrics["perf/memory_peak_gib"] = peak / 2**30
+        if self.is_chief:
+            for kind, figures in self._per_type(tokens_per_s).items():
+                for name in ("tokens_per_s", "mfu", "usd_per_mtok"):
+                    if name in figures:
+                        metrics[f"perf/{kind}/{name}"] = figures[name]
         return metrics
+
+    def _per_type(self, tokens_per_s: float) -> dict[str, dict[str, float]]:
+        return per_type_metrics(
+            self.types,
+            self.plan.shares,
+            tokens_per_s,
+            self.flops_per_token,
+            self.cfg.fault.price_per_hour,
+        )
+
+    def _rebalance(self, first: bool) -> None:
+        """balance auto (every rank, at the same read): gathers each rank's measured forward
+        speed and re-plans the shares when the current ones leave the slowest rank's forwards
+        longer than the mean by more than `scaling.balance_tolerance`."""
+        speeds = Speeds.gather(self.clock, self.rank, self.world, self.device)
+        weights = replan_weights(speeds, self.plan.shares, self.cfg.scaling.balance_tolerance)
+        if weights is None:
+            return
+        imbalance = speeds.imbalance(self.plan.shares)
+        plan = BatchPlan.derive(self.cfg.training, self.world, weights, same_passes=self.sharded)
+        if plan.shares == self.plan.shares:
+            return
+        self.plan = plan
+        self.parts = replace(self.parts, plan=plan)
+        self.batches.close()  # the stream is per share: restart it at this step
+        self.batches = self._batches()
+        reason = "measured" if first else "drift"
+        rates = [round(r, 2) for r in speeds.per_second]
+        if self.is_chief:
+            self._event(
+                "batch_plan",
+                step=self.state.step,
+                reason=reason,
+                shares=list(plan.shares),
+                passes=list(plan.passes),
+                sequences_per_s=rates,
+                imbalance=round(imbalance, 4),
+                types=self.types,
+            )
+            _announce(
+                f"balance at step {self.state.step} ({reason}: the slowest rank's forwards took "
+                f"{imbalance:.0%} over the mean; sequences/s {rates}): {plan.describe()}"
+            )
+        self.tracker.log_metrics(self._plan_metrics(), step=self.state.step)
+        self._restart_step_clock()
+
+    def _plan_metrics(self) -> dict[str, float]:
+        return {f"plan/rank{r}_share": float(n) for r, n in enumerate(self.plan.shares)}
 
     def _live_goodput(self) -> dict[str, float]:
         live = summarize(self.events, time.time())
@@ -395,8 +483,8 @@ class Worker:
             if self.compile:  # around DDP, so that gradient buckets overlap the backward
                 model = torch.compile(model)
         return StepParts(
-            model, self.model, self.optimizer, self.plan, self.device, self.bf16,
-            self.cfg.optim.grad_clip,
+            model, self.model, self.optimizer, self.plan, self.rank, self.device, self.bf16,
+            self.cfg.optim.grad_clip, clock=self.clock,
         )  # fmt: skip
 
     def _evaluator(self) -> Evaluator:
@@ -406,7 +494,7 @@ class Worker:
             manifest=self.manifest,
             seq_len=cfg.model.block_size,
             sequences=cfg.training.eval_sequences,
-            batch=cfg.training.micro_batch_size or self.plan.global_batch // self.world,
+            batch=self.plan.micro_batch,
             rank=self.rank,
             world=self.world,
             device=self.device,
@@ -426,8 +514,8 @@ class Worker:
             self.spec.data_dir,
             self.manifest,
             order,
-            WorkerSlice(self.rank, self.world, self.plan.global_batch),
-            self.plan.micro_batch,
+            WorkerSlice(self.rank, self.world, self.plan.global_batch, self.plan.shares),
+            self.plan.shares[self.rank],
             self.state.step,
             self.end_step,
             read_cpus=self.spec.read_cpus,
@@ -477,6 +565,8 @@ class Worker:
         # report (a resize, or Tune pausing or cloning a trial).
         self.tracker.flush()
         state.world_size, state.strategy = self.world, self.strategy
+        state.shares = list(self.plan.shares)
+        state.per_type = self._per_type(self.throughput.tokens_per_s)
         state.train_loss, state.tokens_per_s = self.train_loss, self.throughput.tokens_per_s
         if self.ledger:
             # Positions consumed since the previous checkpoint, one object per rank and
@@ -629,6 +719,16 @@ def _announce(message: str, chief: bool = True) -> None:
     # (MLflow) has wrapped sys.stdout.
     if chief:
         print(f"[raytrain-lm] {message}", file=sys.__stdout__, flush=True)
+
+
+def _accelerator_types(world: int) -> list[str]:
+    """Every rank's accelerator type, in rank order (a collective)."""
+    mine = _node_accelerator_type()
+    if world == 1 or not dist.is_initialized():
+        return [mine]
+    types: list[str | None] = [None] * world
+    dist.all_gather_object(types, mine)
+    return [str(t) for t in types]
 
 
 def _node_accelerator_type() -> str:

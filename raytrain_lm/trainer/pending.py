@@ -45,7 +45,8 @@ class PendingSteps:
         host_metrics: dict[str, float],
         data_wait_s: float,
     ) -> None:
-        """Queues one step: its local loss and grad norm (device scalars, not read) and the
+        """Queues one step: this rank's part of its loss (the ranks' parts sum to the step's
+        loss) and its grad norm, device scalars not read, and the
         metrics the host knows already (learning rate, tokens)."""
         self._losses.append(loss.detach())
         self._norms.append(grad_norm.detach())
@@ -63,13 +64,14 @@ class PendingSteps:
         self._started = time.perf_counter()
 
     def read(self) -> Interval:
-        """Every pending step's loss (the mean over the ranks) and grad norm, read with one
+        """Every pending step's loss (summed over the ranks' parts) and grad norm, read with one
         all-reduce and one wait for the device; empties the queue and starts a new interval.
         Every rank calls it at the same step."""
         n = len(self._host)
         values = torch.stack([*self._losses, *self._norms]).to(torch.float64)
         reduce_on_device(values)
-        read = (values / self.world).tolist()  # the wait; the norm is the same on every rank
+        values[n:] /= self.world  # the norm is the same on every rank
+        read = values.tolist()  # the wait
         steps = [
             (step, {"train/loss": read[i], "train/grad_norm": read[n + i], **host})
             for i, (step, host) in enumerate(self._host)

@@ -1,9 +1,10 @@
-"""How a configured global batch maps onto the current world size (recomputed at every start),
-where an invocation stops, and the learning-rate schedule."""
+"""How a configured global batch maps onto the current workers (recomputed at every start and
+at every re-balance), where an invocation stops, and the learning-rate schedule."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from raytrain_lm.config import TrainingConfig
@@ -11,20 +12,91 @@ from raytrain_lm.config import TrainingConfig
 
 @dataclass(frozen=True)
 class BatchPlan:
+    """Each rank's share of the global batch and how it splits into forward passes.
+
+    Shares are equal unless `scaling.balance` weights them by speed (trainer/balance.py). The
+    step's gradient is the mean over the global batch's tokens whatever the shares, because
+    each forward pass's loss is weighted by its part of the global batch (step.py).
+    """
+
     world_size: int
     global_batch: int  # sequences per optimizer step, all workers together
-    micro_batch: int  # sequences per worker per forward pass
-    accumulation: int  # forward passes per worker per step
+    shares: tuple[int, ...]  # sequences per step of each rank, summing to global_batch
+    passes: tuple[int, ...]  # forward passes per step of each rank
 
     @classmethod
-    def derive(cls, cfg: TrainingConfig, world_size: int) -> BatchPlan:
+    def derive(
+        cls,
+        cfg: TrainingConfig,
+        world_size: int,
+        weights: Sequence[float] | None = None,
+        same_passes: bool = False,
+    ) -> BatchPlan:
+        """Equal shares (None), or shares in proportion to `weights`. `same_passes`: every
+        rank makes as many forward passes (FSDP, where each backward is a collective)."""
         g = cfg.global_batch_size
-        per_rank, left = divmod(g, world_size)
-        micro = cfg.micro_batch_size or per_rank
-        # RunConfig refuses a global batch that some allowed world size cannot split evenly
-        # (config.py), so every world size Ray Train may pick divides it here.
-        assert left == 0 and per_rank % micro == 0, (g, world_size, micro)
-        return cls(world_size, g, micro, per_rank // micro)
+        shares = split_by_weight(g, weights or [1.0] * world_size)
+        # Equal shares split evenly: RunConfig refuses a global batch that some allowed world
+        # size cannot split (config.py) unless the run balances its shares.
+        assert weights is not None or len(set(shares)) == 1, (g, world_size)
+        micro = cfg.micro_batch_size or max(shares)
+        passes = [-(-share // micro) for share in shares]
+        if same_passes:
+            passes = [max(passes)] * world_size
+        return cls(world_size, g, shares, tuple(passes))
+
+    @property
+    def micro_batch(self) -> int:
+        """The most sequences any rank puts through one forward pass."""
+        return max(-(-s // p) for s, p in zip(self.shares, self.passes, strict=True))
+
+    @property
+    def accumulation(self) -> int:
+        """The most forward passes any rank makes per step."""
+        return max(self.passes)
+
+    @property
+    def balanced(self) -> bool:
+        return len(set(self.shares)) > 1
+
+    def offset(self, rank: int) -> int:
+        """Where rank's slice starts within each global batch."""
+        return sum(self.shares[:rank])
+
+    def pass_sizes(self, rank: int) -> list[int]:
+        """Sequences in each of rank's forward passes, as even as whole sequences allow. A 0
+        is a pass that only keeps the ranks' collectives in step (FSDP, a tiny share)."""
+        share, passes = self.shares[rank], self.passes[rank]
+        return [share // passes + (1 if i < share % passes else 0) for i in range(passes)]
+
+    def describe(self) -> str:
+        if not self.balanced:
+            return (
+                f"micro-batch {self.micro_batch}, accumulation {self.accumulation}, global "
+                f"batch {self.global_batch}"
+            )
+        return f"shares {list(self.shares)} of global batch {self.global_batch}, passes " + (
+            f"{list(self.passes)}"
+        )
+
+
+def split_by_weight(total: int, weights: Sequence[float]) -> tuple[int, ...]:
+    """`total` whole sequences in proportion to `weights`, at least one each (largest
+    remainder, ties to the lower rank, so every rank computes the same split)."""
+    n = len(weights)
+    if total < n:
+        raise ValueError(f"{total} sequences cannot give each of {n} ranks one")
+    weight_sum = sum(weights)
+    exact = [total * w / weight_sum for w in weights]
+    shares = [max(1, math.floor(x)) for x in exact]
+    # A rank with no sequences would have no loss to weight: the floor of one is taken from
+    # the largest shares, and what rounding left over goes to the largest remainders.
+    by_remainder = sorted(range(n), key=lambda r: (-(exact[r] - math.floor(exact[r])), r))
+    for r in by_remainder[: max(0, total - sum(shares))]:
+        shares[r] += 1
+    while sum(shares) > total:
+        shares[max(range(n), key=lambda r: (shares[r], -r))] -= 1
+    return tuple(shares)
 
 
 def end_step(cfg: TrainingConfig) -> int:

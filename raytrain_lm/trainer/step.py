@@ -1,9 +1,14 @@
-"""One optimizer step of one worker: micro-batches forward and backward, clip, update. Pure
-PyTorch: no Ray here.
+"""One optimizer step of one worker: its share of the global batch forward and backward in
+micro-batches, clip, update. Pure PyTorch: no Ray here.
+
+Each micro-batch's mean loss is weighted by its part of the global batch (b sequences of G,
+times the world size W that DDP and FSDP divide the summed gradients by), so the update is the
+mean over the global batch's tokens however unevenly the ranks share it (trainer/balance.py).
+With equal shares the weight is 1/accumulation, as usual.
 
 Under DDP gradients are all-reduced once, on the last micro-batch. Under FSDP each micro-batch's
 backward reduce-scatters: skipping it would keep whole unsharded gradients between micro-batches,
-the very memory sharding is for."""
+the very memory sharding is for; so under FSDP every rank makes the same number of passes."""
 
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from raytrain_lm.trainer import hardware
+from raytrain_lm.trainer.balance import ForwardClock
 from raytrain_lm.trainer.plan import BatchPlan
 
 
@@ -26,9 +32,11 @@ class StepParts:
     raw_model: torch.nn.Module  # the model itself, for clipping and checkpoints
     optimizer: torch.optim.Optimizer
     plan: BatchPlan
+    rank: int
     device: torch.device
     bf16: bool
     grad_clip: float  # 0: no clipping
+    clock: ForwardClock | None = None  # times this rank's forward passes (scaling.balance)
 
     @property
     def ddp(self) -> torch.nn.parallel.DistributedDataParallel | None:
@@ -39,9 +47,9 @@ class StepParts:
 
 @dataclass
 class StepResult:
-    loss: torch.Tensor  # this worker's mean loss over its micro-batches, on the device
+    loss: torch.Tensor  # this worker's part of the global mean loss (the ranks' sum is it)
     grad_norm: torch.Tensor
-    positions: list[np.ndarray]  # the global sequence positions consumed, per micro-batch
+    positions: np.ndarray  # the global sequence positions this worker consumed
     data_wait_s: float  # time spent waiting for batches
 
 
@@ -53,29 +61,41 @@ def step_seed(seed: int, step: int, rank: int) -> int:
 def train_step(
     parts: StepParts, batches: Iterator[tuple[np.ndarray, np.ndarray]], lr: float
 ) -> StepResult:
+    """`batches` yields this rank's share of each step at once: (positions, tokens[share,
+    seq_len + 1])."""
     for group in parts.optimizer.param_groups:
         group["lr"] = lr
-    accumulation = parts.plan.accumulation
+    plan = parts.plan
+    waited = time.perf_counter()
+    positions, tokens = next(batches)
+    data_wait = time.perf_counter() - waited
+    positions = positions.copy()  # a view would pin its Ray Data block
+    sizes = plan.pass_sizes(parts.rank)
     loss_sum = torch.zeros((), device=parts.device)
-    positions, data_wait = [], 0.0
-    for micro in range(accumulation):
-        waited = time.perf_counter()
-        micro_positions, tokens = next(batches)
-        data_wait += time.perf_counter() - waited
-        positions.append(micro_positions.copy())  # a view would pin its Ray Data block
-        t = hardware.tokens_to_device(tokens, parts.device)
+    first = 0
+    for i, size in enumerate(sizes):
+        # A pass with no sequences of its own (FSDP, a share smaller than the passes) runs one
+        # sequence at weight 0, so that its all-gathers and reduce-scatters meet the others'.
+        rows = tokens[first : first + size] if size else tokens[:1]
+        first += size
+        weight = plan.world_size * size / plan.global_batch
+        t = hardware.tokens_to_device(rows, parts.device)
         sync = contextlib.nullcontext()
-        if parts.ddp is not None and micro < accumulation - 1:
+        if parts.ddp is not None and i < len(sizes) - 1:
             sync = parts.ddp.no_sync()  # all-reduce gradients once, on the last micro-batch
         with sync:
+            if parts.clock is not None:
+                parts.clock.start()
             with hardware.autocast(parts.device, parts.bf16):
                 _, loss = parts.model(t[:, :-1], t[:, 1:])  # (B, T) in, scalar loss out
-            (loss / accumulation).backward()
-        loss_sum += loss.detach()
+            if parts.clock is not None:
+                parts.clock.stop(size)
+            (loss * weight).backward()
+        loss_sum += loss.detach() * (size / plan.global_batch)
     clip = parts.grad_clip if parts.grad_clip > 0 else float("inf")
     grad_norm = torch.nn.utils.clip_grad_norm_(parts.raw_model.parameters(), clip)
     if isinstance(grad_norm, DTensor):  # sharded gradients: the norm over all shards
         grad_norm = grad_norm.full_tensor()
     parts.optimizer.step()
     parts.optimizer.zero_grad(set_to_none=True)
-    return StepResult(loss_sum / accumulation, grad_norm, positions, data_wait)
+    return StepResult(loss_sum, grad_norm, positions, data_wait)

@@ -3,7 +3,10 @@
 `python -m support.parallel_check OUT` (from tests/) runs as one of 2 gloo ranks (torchrun's
 environment variables); `reference(arch)` is the single-process run. Each run is our own
 `train_step` on the same global batch of 8 sequences (micro-batches of 2, so the 2-rank runs
-accumulate 2 each), 20 steps in fp32, from the same initial weights.
+accumulate 2 each), 20 steps in fp32, from the same initial weights. The uneven runs split each
+global batch 6 + 2 between the ranks (`scaling.balance`'s shares): under FSDP, where every rank
+makes as many passes, rank 1's 2 sequences go through 3 passes, the last of them a weight-0
+pass that only keeps the collectives in step.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from raytrain_lm.config import TrainingConfig
 from raytrain_lm.llama import Llama, LlamaShape
 from raytrain_lm.model import GPT, GPTShape
 from raytrain_lm.trainer import hardware
@@ -27,6 +31,7 @@ from raytrain_lm.trainer.sharded import load_sharded_checkpoint, save_sharded_ch
 from raytrain_lm.trainer.step import StepParts, train_step
 
 VOCAB, SEQ, GLOBAL_BATCH, MICRO, STEPS, SAVE_AT = 64, 16, 8, 2, 20, 10
+UNEVEN = [3.0, 1.0]  # weights: shares of 6 and 2
 ARCHS = {
     "gpt2": lambda: GPT(GPTShape(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=2,
                                  n_embd=32, dropout=0.0)),
@@ -37,19 +42,20 @@ ARCHS = {
 CPU = torch.device("cpu")
 
 
-def _micro_batches(step: int, rank: int, world: int):
+def _share(step: int, plan: BatchPlan, rank: int):
+    """This rank's share of the step's global batch, as the data stream yields it."""
     # Counting up from a random start: learnable, so the losses fall.
     starts = np.random.default_rng(step).integers(0, VOCAB, (GLOBAL_BATCH, 1))
     tokens = (starts + np.arange(SEQ + 1)) % VOCAB
-    share = tokens[rank * GLOBAL_BATCH // world : (rank + 1) * GLOBAL_BATCH // world]
-    for i in range(0, len(share), MICRO):
-        yield np.arange(i, i + MICRO), share[i : i + MICRO]
+    first = plan.offset(rank)
+    positions = np.arange(first, first + plan.shares[rank])
+    yield positions, tokens[positions]
 
 
 class Run:
     """A model, its optimizer and its steps under one strategy."""
 
-    def __init__(self, arch: str, strategy: str, rank: int = 0, world: int = 1):
+    def __init__(self, arch: str, strategy: str, rank: int = 0, world: int = 1, weights=None):
         torch.manual_seed(0)
         self.rank, self.world = rank, world
         self.raw = ARCHS[arch]()
@@ -61,25 +67,26 @@ class Run:
         self.optimizer = hardware.build_adamw(
             self.raw.optimizer_groups(0.1), 1e-2, (0.9, 0.95), CPU
         )
-        plan = BatchPlan(world, GLOBAL_BATCH, MICRO, GLOBAL_BATCH // world // MICRO)
-        self.parts = StepParts(model, self.raw, self.optimizer, plan, CPU, False, 1.0)
+        training = TrainingConfig(global_batch_size=GLOBAL_BATCH, micro_batch_size=MICRO)
+        plan = BatchPlan.derive(training, world, weights, same_passes=strategy == "fsdp")
+        self.parts = StepParts(model, self.raw, self.optimizer, plan, rank, CPU, False, 1.0)
 
     def steps(self, first: int, last: int) -> list[float]:
         losses = []
         for step in range(first, last):
             lr = learning_rate(step, 1e-2, 1e-3, 3, STEPS)
-            result = train_step(self.parts, _micro_batches(step, self.rank, self.world), lr)
-            loss = result.loss.detach().clone()
+            result = train_step(self.parts, _share(step, self.parts.plan, self.rank), lr)
+            loss = result.loss.detach().clone()  # this rank's part of the step's loss
             if self.world > 1:
                 dist.all_reduce(loss)
-            losses.append(loss.item() / self.world)
+            losses.append(loss.item())
         return losses
 
     def state_bytes(self) -> int:
         """Parameters + gradients + AdamW state held here, with the gradients of one backward
         still in place (as between backward and the optimizer step)."""
-        (_, tokens), *_ = _micro_batches(0, self.rank, self.world)
-        t = torch.from_numpy(tokens)
+        (_, tokens), *_ = _share(0, self.parts.plan, self.rank)
+        t = torch.from_numpy(tokens[:MICRO])
         self.parts.model(t[:, :-1], t[:, 1:])[1].backward()
         held = local_state_bytes(self.raw, self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
@@ -97,6 +104,8 @@ def main(out: Path) -> None:
     for arch in ARCHS:
         ddp = Run(arch, "ddp", rank, world)
         ddp_losses = ddp.steps(0, STEPS)
+        ddp_uneven = Run(arch, "ddp", rank, world, UNEVEN).steps(0, STEPS)
+        fsdp_uneven = Run(arch, "fsdp", rank, world, UNEVEN).steps(0, STEPS)
         fsdp = Run(arch, "fsdp", rank, world)
         fsdp_losses = fsdp.steps(0, SAVE_AT)
         folder = Path(tempfile.mkdtemp(prefix=f"sharded-{arch}-{rank}-"))
@@ -117,6 +126,8 @@ def main(out: Path) -> None:
         results[arch] = {
             "ddp": ddp_losses,
             "fsdp": fsdp_losses,
+            "ddp_uneven": ddp_uneven,
+            "fsdp_uneven": fsdp_uneven,
             "resumed": resumed.steps(state.step, STEPS),
             "bytes_ddp": ddp.state_bytes(),
             "bytes_fsdp": fsdp.state_bytes(),

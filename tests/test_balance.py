@@ -1,0 +1,147 @@
+"""scaling.balance (trainer/balance.py): shares of the global batch by speed.
+
+The arithmetic (an uneven split takes the equal split's steps) is in test_parallel.py; here
+the plan itself, and a real 2-worker run with one rank slowed to half speed."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import raytrain_lm
+from raytrain_lm.config import TrainingConfig, load_config
+from raytrain_lm.data.ledger import read_ledger
+from raytrain_lm.data.stream import WorkerSlice
+from raytrain_lm.errors import UserError
+from raytrain_lm.trainer.balance import Speeds, per_type_metrics, replan_weights, type_weights
+from raytrain_lm.trainer.faults import ENV_VAR
+from raytrain_lm.trainer.goodput import read_events
+from raytrain_lm.trainer.plan import BatchPlan, split_by_weight
+
+
+def test_shares_follow_the_weights_in_whole_sequences():
+    assert split_by_weight(64, [2, 1]) == (43, 21)
+    assert split_by_weight(32, [1, 1]) == (16, 16)
+    assert split_by_weight(8, [100, 1]) == (7, 1)  # never below one sequence
+    assert split_by_weight(5, [1, 1, 1]) == (2, 2, 1)
+    assert sum(split_by_weight(1000, [3.3, 0.7, 1.9, 2.2])) == 1000
+
+
+def test_plan_passes_per_rank_and_the_same_number_under_fsdp():
+    training = TrainingConfig(global_batch_size=32, micro_batch_size=8)
+    ddp = BatchPlan.derive(training, 2, [3, 1])
+    assert ddp.shares == (24, 8) and ddp.passes == (3, 1)
+    assert ddp.pass_sizes(0) == [8, 8, 8] and ddp.pass_sizes(1) == [8]
+    fsdp = BatchPlan.derive(training, 2, [3, 1], same_passes=True)
+    assert fsdp.passes == (3, 3) and fsdp.pass_sizes(1) == [3, 3, 2]
+    tiny = BatchPlan.derive(
+        TrainingConfig(global_batch_size=8, micro_batch_size=2), 2, [3, 1], True
+    )
+    assert tiny.pass_sizes(1) == [1, 1, 0]  # a weight-0 pass keeps FSDP's collectives in step
+    equal = BatchPlan.derive(training, 2)
+    assert equal.shares == (16, 16) and (equal.micro_batch, equal.accumulation) == (8, 2)
+    assert equal.offset(1) == 16 and ddp.offset(1) == 24
+
+
+def test_uneven_slices_cover_every_global_batch_once():
+    """Whatever the shares, the ranks' slices of steps 5-7 are the positions 5G..8G-1, each
+    once: a re-plan between steps keeps the ledger exact."""
+    for shares in [(21, 11), (1, 31), (10, 11, 11), (16, 16)]:
+        parts = [
+            WorkerSlice(r, len(shares), 32, shares).positions(5, 3) for r in range(len(shares))
+        ]
+        assert sorted(p for part in parts for p in part.tolist()) == list(range(5 * 32, 8 * 32))
+        assert [len(part) for part in parts] == [3 * n for n in shares]
+
+
+def test_speeds_and_type_weights():
+    speeds = Speeds(seconds=(1.0, 1.0), sequences=(200, 100))
+    assert speeds.per_second == [200.0, 100.0]
+    assert speeds.imbalance((16, 16)) == pytest.approx(1 / 3)  # 0.16 s against a 0.12 s mean
+    assert speeds.imbalance((21, 11)) < 0.05
+    # Re-plans: a plan off by more than the tolerance, or one the speeds drifted away from.
+    assert replan_weights(speeds, (16, 16), 0.15) == [200.0, 100.0]
+    assert replan_weights(speeds, (21, 11), 0.15) is None  # balanced already
+    assert replan_weights(speeds, (11, 21), 0.15) == [200.0, 100.0]  # the ranks swapped speeds
+    assert replan_weights(Speeds((1.0, 1.0), (3, 100)), (16, 16), 0.15) is None  # too few timed
+    assert type_weights({"A100": 3, "L4": 1}, ["A100", "L4", "l4"]) == [3, 1, 1]
+    assert type_weights({"A100": 3, "default": 2}, ["A100", "H100"]) == [3, 2]
+    with pytest.raises(UserError, match="no weight for accelerator type.*H100"):
+        type_weights({"A100": 3}, ["A100", "H100"])
+    figures = per_type_metrics(["A100", "L4", "L4"], [4, 2, 2], 50_000.0, 1e9, {"L4": 0.8})
+    assert figures["A100"]["tokens_per_s"] == 25_000.0 and figures["L4"]["workers"] == 2.0
+    assert figures["A100"]["mfu"] == pytest.approx(25_000 * 1e9 / 312e12)
+    assert "usd_per_mtok" not in figures["A100"]
+    assert figures["L4"]["usd_per_mtok"] == pytest.approx(1.6 / 3600 / 25_000 * 1e6)
+
+
+def test_balance_settings_are_checked_up_front():
+    cfg = load_config(None, ["scaling.balance={A100: 3, L4: 1}", "training.global_batch_size=7"])
+    assert cfg.scaling.balance == {"A100": 3.0, "L4": 1.0}  # no need to divide evenly
+    bad = {
+        "scaling.balance=fast": "must be none, auto or weights",
+        "scaling.balance={A100: 0}": "must be positive",
+        "training.global_batch_size=1": "fewer than one sequence",
+    }
+    for override, message in bad.items():
+        with pytest.raises(UserError, match=message):
+            load_config(None, ["scaling.balance=auto", override])
+    with pytest.raises(UserError, match="balance=auto times each rank's forward passes"):
+        load_config(None, ["scaling.balance=auto", "parallel.strategy=fsdp"])
+
+
+STEPS = 25
+# A simulated device (trainer/faults.py): 3 ms per sequence forward and 6 ms backward on rank 0,
+# twice that on rank 1 (half speed), slept by the host as it waits for a GPU. The tiny model's own
+# work is small beside it, so the shared cores' load barely moves the comparison.
+DEVICES = "device-time:seconds=0.003:rank=1:factor=2"
+BALANCED = [
+    "training.global_batch_size=32",
+    f"training.max_steps={STEPS}",
+    f"training.eval_every={STEPS}",
+    f"checkpoint.every_steps={STEPS}",
+    "training.eval_sequences=16",
+    "training.log_every=5",
+    "training.ledger=true",
+    "training.precision=fp32",
+]
+
+
+def test_auto_balance_outpaces_equal_shares_with_the_same_losses(tiny_overrides, monkeypatch):
+    """Rank 1's device runs at half the speed of rank 0's. Equal shares wait for it every step;
+    `auto` measures both ranks over steps 4-8, gives rank 1 about a third of each global batch,
+    and trains faster: at least 1.25x tokens/s over the same steady steps (1.5x for the
+    simulated devices alone), with the same per-step losses (the update does not depend on the
+    shares) and an exact ledger."""
+    monkeypatch.setenv(ENV_VAR, DEVICES)
+    runs = {}
+    for balance in ("none", "auto"):
+        overrides = [*tiny_overrides, *BALANCED, f"name={balance}", f"scaling.balance={balance}"]
+        summary = raytrain_lm.train(load_config(None, overrides), sample=False)
+        output_dir = next(o.split("=", 1)[1] for o in overrides if o.startswith("output_dir="))
+        history = raytrain_lm.metric_history(balance, output_dir=output_dir)
+        runs[balance] = (summary, history, os.path.join(output_dir, balance))
+
+    (none, none_history, _), (auto, history, run_dir) = runs["none"], runs["auto"]
+    plans = [e for e in read_events(run_dir) if e["event"] == "batch_plan"]
+    assert [p["step"] for p in plans] == [8], plans  # measured once; no drift after
+    shares = plans[0]["shares"]
+    assert sum(shares) == 32 and 19 <= shares[0] <= 24, plans  # about 2:1 (21.3 : 10.7)
+    assert auto["shares"] == shares and none["shares"] == [16, 16]
+    assert history["plan/rank0_share"].dropna().tolist() == [16.0, float(shares[0])]
+
+    # Steady steps 11-25: reads at 15, 20 and 25 each close an interval of 5 steps.
+    steady = [15, 20, 25]
+    step_s = {
+        name: h.loc[steady, "perf/step_time_s"].mean()
+        for name, h in (("none", none_history), ("auto", history))
+    }
+    assert step_s["none"] / step_s["auto"] >= 1.25, step_s
+    gap = (history["train/loss"] - none_history["train/loss"]).abs().max()
+    assert len(history["train/loss"].dropna()) == STEPS and gap < 1e-4, gap
+    assert read_ledger(run_dir).tolist() == list(range(STEPS * 32))
+
+    cpu = auto["per_type"]["cpu"]
+    assert cpu["workers"] == 2 and cpu["tokens_per_s"] > 0 and 0 < cpu["mfu"] < 1
+    assert history["perf/cpu/tokens_per_s"].dropna().size >= len(steady)
