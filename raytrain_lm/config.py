@@ -10,6 +10,7 @@ arguments trains on them.
 from __future__ import annotations
 
 import difflib
+import math
 import os
 import re
 from pathlib import Path
@@ -294,9 +295,16 @@ class ScalingConfig(_Section):
         if isinstance(value, dict):
             if not value:
                 raise ValueError("scaling.balance: give weights by type, or none or auto")
-            bad = {k: w for k, w in value.items() if not (isinstance(w, int | float) and w > 0)}
+            bad = {
+                k: w
+                for k, w in value.items()
+                if isinstance(w, bool) or not isinstance(w, int | float) or not 0 < w < math.inf
+            }
             if bad:
-                raise ValueError(f"scaling.balance weights must be positive: {bad}")
+                raise ValueError(f"scaling.balance weights must be positive numbers: {bad}")
+            upper = [str(k).upper() for k in value]
+            if len(set(upper)) < len(upper):
+                raise ValueError(f"scaling.balance names a type twice (case aside): {list(value)}")
         return value
 
     @model_validator(mode="after")

@@ -132,7 +132,7 @@ class Worker:
                 cfg.parallel.reshard_after_forward,
                 compile_blocks=self.compile,
             )
-        self.types = _accelerator_types(world)  # each rank's, the same list on every rank
+        self.types = _accelerator_types(world, self.device)  # each rank's, on every rank
         self.plan = self._initial_plan()
         self.optimizer = hardware.build_adamw(
             self.model.optimizer_groups(cfg.optim.weight_decay),
@@ -300,10 +300,9 @@ class Worker:
             progress = ProgressBar(self.end_step, state.step, self.cfg.training.log_every)
         # Reads at a group's first step and at the end of its warm-up, so that neither the
         # start-up nor the warm-up steps blur a steady interval's tokens/s.
-        forced_reads = {state.step + 1, state.step + WARMUP_STEPS}
-        measured_from = state.step + WARMUP_STEPS  # balance auto: what came before is warm-up
+        self.forced_reads = {state.step + 1, state.step + WARMUP_STEPS}
         if self.clock is not None:
-            forced_reads.add(measured_from + MEASURE_STEPS)  # the first plan from measurements
+            self._measure_after_warmup(first_plan=True)
         self.watchdog.start()
         self.pending.restart_clock()
         if self.sync_counter is not None:
@@ -321,7 +320,7 @@ class Worker:
             if self.sync_counter is not None:
                 self.sync_counter.close_step(state.step)
             reads = log_due or eval_due or checkpoint_due or ends
-            if not reads and state.step not in forced_reads:
+            if not reads and state.step not in self.forced_reads:
                 continue  # nothing read: the host goes on queueing the next step
             metrics = self._read_pending()
             if log_due and self.events:
@@ -340,12 +339,11 @@ class Worker:
                 self._report_checkpoint(final=last)
                 self._restart_step_clock()
             if self.clock is not None and not last:
-                if state.step == measured_from:
+                measured = state.step - self.measured_from
+                if measured == 0:
                     self.clock.take()  # the warm-up's forwards: not this device's steady pace
-                elif state.step == measured_from + MEASURE_STEPS or (
-                    checkpoint_due and state.step > measured_from
-                ):
-                    self._rebalance(first=state.step == measured_from + MEASURE_STEPS)
+                elif measured == MEASURE_STEPS or (checkpoint_due and measured > MEASURE_STEPS):
+                    self._rebalance(first=self.first_plan and measured == MEASURE_STEPS)
             if self.sync_counter is not None:
                 self.sync_counter.close_read(state.step)
         if self.heartbeats is not None:
@@ -426,12 +424,23 @@ class Worker:
             self.cfg.fault.price_per_hour,
         )
 
+    def _measure_after_warmup(self, first_plan: bool) -> None:
+        """balance auto: time forwards from WARMUP_STEPS steps on (after a start or a re-plan:
+        the first passes of a new shape compile, and a restarted stream refills its cache),
+        and make the group's first plan MEASURE_STEPS steps later."""
+        self.measured_from = self.state.step + WARMUP_STEPS
+        self.first_plan = first_plan
+        self.forced_reads.add(self.measured_from)
+        if first_plan:
+            self.forced_reads.add(self.measured_from + MEASURE_STEPS)
+
     def _rebalance(self, first: bool) -> None:
         """balance auto (every rank, at the same read): gathers each rank's measured forward
         speed and re-plans the shares when the current ones leave the slowest rank's forwards
         longer than the mean by more than `scaling.balance_tolerance`."""
         speeds = Speeds.gather(self.clock, self.rank, self.world, self.device)
         weights = replan_weights(speeds, self.plan.shares, self.cfg.scaling.balance_tolerance)
+        self.first_plan = False
         if weights is None:
             return
         imbalance = speeds.imbalance(self.plan.shares)
@@ -461,6 +470,8 @@ class Worker:
             )
         self.tracker.log_metrics(self._plan_metrics(), step=self.state.step)
         self._restart_step_clock()
+        self.throughput.restart_steady(self.state.step)  # tokens/s of the plan now in use
+        self._measure_after_warmup(first_plan=False)
 
     def _plan_metrics(self) -> dict[str, float]:
         return {f"plan/rank{r}_share": float(n) for r, n in enumerate(self.plan.shares)}
@@ -698,6 +709,7 @@ class Throughput:
     def __init__(self, first_step: int):
         self.first_step = first_step
         self.step_seconds = 0.0  # every step of this group, for goodput
+        self._steady_from = first_step
         self._tokens, self._seconds = 0, 0.0
         self._last = float("nan")
 
@@ -705,9 +717,14 @@ class Throughput:
         """An interval of `steps` steps ending at `step`."""
         self.step_seconds += seconds
         self._last = tokens / seconds
-        if step - steps >= self.first_step + WARMUP_STEPS:
+        if step - steps >= self._steady_from + WARMUP_STEPS:
             self._tokens += tokens
             self._seconds += seconds
+
+    def restart_steady(self, step: int) -> None:
+        """From `step` on the group runs at another pace (a new batch plan): count that one."""
+        self._steady_from = step
+        self._tokens, self._seconds = 0, 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -721,9 +738,11 @@ def _announce(message: str, chief: bool = True) -> None:
         print(f"[raytrain-lm] {message}", file=sys.__stdout__, flush=True)
 
 
-def _accelerator_types(world: int) -> list[str]:
+def _accelerator_types(world: int, device: torch.device) -> list[str]:
     """Every rank's accelerator type, in rank order (a collective)."""
     mine = _node_accelerator_type()
+    if mine == "cpu" and device.type == "cuda":  # a GPU node without Ray's type resource
+        mine = torch.cuda.get_device_name(device)
     if world == 1 or not dist.is_initialized():
         return [mine]
     types: list[str | None] = [None] * world

@@ -39,7 +39,9 @@ class BatchPlan:
         # Equal shares split evenly: RunConfig refuses a global batch that some allowed world
         # size cannot split (config.py) unless the run balances its shares.
         assert weights is not None or len(set(shares)) == 1, (g, world_size)
-        micro = cfg.micro_batch_size or max(shares)
+        # Unset: passes as large as the equal split's, so that a fast rank's larger share
+        # takes more passes rather than more activation memory than the run was sized for.
+        micro = cfg.micro_batch_size or -(-g // world_size)
         passes = [-(-share // micro) for share in shares]
         if same_passes:
             passes = [max(passes)] * world_size
@@ -89,13 +91,14 @@ def split_by_weight(total: int, weights: Sequence[float]) -> tuple[int, ...]:
     weight_sum = sum(weights)
     exact = [total * w / weight_sum for w in weights]
     shares = [max(1, math.floor(x)) for x in exact]
-    # A rank with no sequences would have no loss to weight: the floor of one is taken from
-    # the largest shares, and what rounding left over goes to the largest remainders.
-    by_remainder = sorted(range(n), key=lambda r: (-(exact[r] - math.floor(exact[r])), r))
-    for r in by_remainder[: max(0, total - sum(shares))]:
-        shares[r] += 1
+    # A rank with no sequences would have no loss to weight, hence the floor of one. Rounding
+    # leaves sequences over (to the ranks furthest below their exact share) or, after that
+    # floor, too many (from the ranks furthest above theirs); ties go to the lower rank.
+    while sum(shares) < total:
+        shares[max(range(n), key=lambda r: (exact[r] - shares[r], -r))] += 1
     while sum(shares) > total:
-        shares[max(range(n), key=lambda r: (shares[r], -r))] -= 1
+        over = [r for r in range(n) if shares[r] > 1]
+        shares[max(over, key=lambda r: (shares[r] - exact[r], -r))] -= 1
     return tuple(shares)
 
 
