@@ -34,7 +34,6 @@ from raytrain_lm.data.manifest import Manifest
 from raytrain_lm.data.order import SequenceOrder
 from raytrain_lm.data.stream import WorkerSlice, stream_train_batches
 from raytrain_lm.errors import UserError
-from raytrain_lm.huggingface import load_hf_weights
 from raytrain_lm.models import build_model
 from raytrain_lm.rundir import CONFIG_FILE, TOKENIZER_FILE
 from raytrain_lm.storage import filesystem
@@ -80,7 +79,6 @@ from raytrain_lm.trainer.pending import Interval, PendingSteps
 from raytrain_lm.trainer.plan import BatchPlan, end_step, learning_rate
 from raytrain_lm.trainer.progress import ProgressBar
 from raytrain_lm.trainer.recompute import apply_activation_checkpointing
-from raytrain_lm.trainer.sharded import load_sharded_checkpoint, save_sharded_checkpoint
 from raytrain_lm.trainer.spec import WorkerSpec
 from raytrain_lm.trainer.step import StepParts, step_seed, train_step
 from raytrain_lm.trainer.storage_checks import check_worker_sees
@@ -120,6 +118,8 @@ class Worker:
         torch.manual_seed(cfg.training.seed)
         self.model = build_model(cfg.model, self.manifest.vocab_size).to(self.device)
         if cfg.model.init_from:  # a restore below replaces these weights when resuming
+            from raytrain_lm.huggingface import load_hf_weights
+
             load_hf_weights(self.model, cfg.model.init_from)
         apply_activation_checkpointing(self.model, cfg.training.activation_checkpointing)
         self.strategy = self._choose_strategy()
@@ -236,6 +236,8 @@ class Worker:
             dist.broadcast_object_list(chosen, src=0)
         if chosen[0] is not None:
             if self.sharded:
+                from raytrain_lm.trainer.sharded import load_sharded_checkpoint
+
                 self.state = load_sharded_checkpoint(chosen[0], self.model, self.optimizer)
             elif not self.is_chief:
                 self.state = load_checkpoint(chosen[0], self.model, self.optimizer, self.device)
@@ -596,6 +598,8 @@ class Worker:
         checkpoint = None
         texts = {TOKENIZER_FILE: self.tokenizer_json, CONFIG_FILE: to_yaml(self.cfg)}
         if self.sharded:  # every rank writes its shards; the whole weights at the end
+            from raytrain_lm.trainer.sharded import save_sharded_checkpoint
+
             local = Path(tempfile.mkdtemp(prefix="raytrain-checkpoint-"))
             save_sharded_checkpoint(
                 local, self.model, self.optimizer, state, texts, self.rank, full_weights=final

@@ -13,9 +13,6 @@ import os
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 
 from raytrain_lm.causal_lm import CausalLM
 from raytrain_lm.errors import UserError
@@ -99,6 +96,11 @@ def shard_model(
     master weights stay fp32). The last block keeps its parameters gathered after forward:
     its backward comes next, so freeing them would only gather them again at once.
     """
+    # Imported here: FSDP and DTensor cost every worker process 0.7 s of CPU to import, and a
+    # DDP run never needs them.
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
     mesh = init_device_mesh(device.type, (world,))
     precision = MixedPrecisionPolicy()
     if bf16:
@@ -117,6 +119,8 @@ def shard_model(
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
     return isinstance(model, FSDPModule)
 
 
@@ -124,7 +128,7 @@ def local_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) 
     """Bytes this worker holds of parameters, gradients and optimizer state (its shards)."""
 
     def local_bytes(t: torch.Tensor) -> int:
-        t = t.to_local() if isinstance(t, DTensor) else t
+        t = t.to_local() if hasattr(t, "to_local") else t  # a DTensor's shard
         return t.numel() * t.element_size()
 
     params = list({id(p): p for p in model.parameters()}.values())

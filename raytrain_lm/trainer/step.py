@@ -19,7 +19,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch.distributed.tensor import DTensor
 
 from raytrain_lm.trainer import hardware
 from raytrain_lm.trainer.balance import ForwardClock
@@ -94,7 +93,7 @@ def train_step(
         loss_sum += loss.detach() * (size / plan.global_batch)
     clip = parts.grad_clip if parts.grad_clip > 0 else float("inf")
     grad_norm = torch.nn.utils.clip_grad_norm_(parts.raw_model.parameters(), clip)
-    if isinstance(grad_norm, DTensor):  # sharded gradients: the norm over all shards
+    if hasattr(grad_norm, "full_tensor"):  # a DTensor (sharded gradients): over all shards
         grad_norm = grad_norm.full_tensor()
     parts.optimizer.step()
     parts.optimizer.zero_grad(set_to_none=True)
