@@ -44,6 +44,7 @@ from raytrain_lm.trainer.balance import (
     MEASURE_STEPS,
     ForwardClock,
     Speeds,
+    by_type,
     per_type_metrics,
     replan_weights,
     type_weights,
@@ -257,9 +258,8 @@ class Worker:
     def start(self) -> None:
         """Records this worker group's start (events, ledger, first metrics) and announces it."""
         state, plan = self.state, self.plan
-        price = self.cfg.fault.price_per_hour
-        my_type = self.types[self.rank]
-        group_price = all_reduce([price.get(my_type, price.get("default", 0.0))], self.device)
+        my_price = by_type(self.cfg.fault.price_per_hour, self.types[self.rank]) or 0.0
+        group_price = all_reduce([my_price], self.device)
         if self.is_chief:
             if self.cfg.training.ledger:
                 ledger.discard_after(self.run_dir, state.step)
