@@ -4,8 +4,9 @@ through Ray Data, starting at the checkpointed position.
 Global step s consumes positions [s*G, (s+1)*G) of the sequence order (G = global batch);
 rank r takes the contiguous slice of its share n_r that starts after the lower ranks' shares
 (n_r = G/W for equal shares; `scaling.balance` makes them uneven), and splits it into its
-forward passes (step.py). Ray Data runs the reads as tasks (parallel, prefetched, bounded by its streaming
-executor); the position arithmetic is ours, so a restart at any world size resumes exactly.
+forward passes (step.py). Ray Data runs the reads as tasks (parallel, prefetched, bounded by
+its streaming executor); the position arithmetic is ours, so a restart at any world size
+resumes exactly.
 """
 
 from __future__ import annotations
