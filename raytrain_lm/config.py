@@ -286,7 +286,7 @@ class ScalingConfig(_Section):
 
     @field_validator("balance", mode="before")
     @classmethod
-    def _positive_weights(cls, value: Any) -> Any:
+    def _balance_setting(cls, value: Any) -> Any:
         if not isinstance(value, dict) and value not in ("none", "auto"):
             raise ValueError(
                 "scaling.balance must be none, auto or weights by accelerator type such as "

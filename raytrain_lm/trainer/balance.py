@@ -71,23 +71,9 @@ class ForwardClock:
         return measured
 
 
-def by_type(table: Mapping[str, float], kind: str) -> float | None:
-    """`table`'s entry for an accelerator type: the key equal to it (case aside), else the
-    longest key it contains (`A100` for `A100-80G`, `L4` for a CUDA name such as `NVIDIA L4`),
-    else `default`; None if none applies. Weights and prices are looked up alike."""
-    named = {k.upper(): v for k, v in table.items()}
-    kind = kind.upper()
-    if kind in named:
-        return named[kind]
-    for key in sorted(named, key=len, reverse=True):
-        if key != "DEFAULT" and key in kind:
-            return named[key]
-    return named.get("DEFAULT")
-
-
 def type_weights(setting: Mapping[str, float], types: Sequence[str]) -> list[float]:
     """Each rank's weight from `scaling.balance: {TYPE: weight}` by its accelerator type."""
-    weights = [by_type(setting, t) for t in types]
+    weights = [hardware.by_accelerator_type(setting, t) for t in types]
     missing = sorted({t for t, w in zip(types, weights, strict=True) if w is None})
     if missing:
         raise UserError(
@@ -161,7 +147,7 @@ def per_type_metrics(
             "tokens_per_s": kind_tokens_per_s,
             "mfu": min(1.0, flops_per_token * kind_tokens_per_s / (len(ranks) * peak)),
         }
-        price = by_type(prices, kind)
+        price = hardware.by_accelerator_type(prices, kind)
         if price is not None and kind_tokens_per_s > 0:
             row["usd_per_mtok"] = price * len(ranks) / 3600.0 / kind_tokens_per_s * 1e6
         figures[kind] = row

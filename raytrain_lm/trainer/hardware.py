@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Mapping
 
 import numpy as np
 import torch
@@ -29,13 +30,25 @@ CPU_PEAK_FLOPS_FALLBACK = 4 * 2 * 2 * 3.5e9
 UNKNOWN_GPU_PEAK_FLOPS = 312e12  # A100-class, so that an unknown GPU's MFU errs low
 
 
+def by_accelerator_type(table: Mapping[str, float], kind: str) -> float | None:
+    """`table`'s entry for an accelerator type: the key equal to it (case aside), else the
+    longest key it contains ("A100" for "A100-80G", "L4" for "NVIDIA L4"; "L40S" before "L40"
+    before "L4"), else `default`; None if none applies. Peaks, balance weights and prices are
+    looked up alike."""
+    named = {k.upper(): v for k, v in table.items()}
+    kind = kind.upper()
+    if kind in named:
+        return named[kind]
+    for key in sorted(named, key=len, reverse=True):
+        if key != "DEFAULT" and key in kind:
+            return named[key]
+    return named.get("DEFAULT")
+
+
 def gpu_peak_flops(name: str) -> float | None:
     """Peak for a CUDA device name ("NVIDIA A100-SXM4-80GB") or a Ray accelerator type ("A100",
-    "A100-80G", "L4"); None if unknown. Longest key first: "L40S" before "L40" before "L4"."""
-    for key in sorted(GPU_PEAK_FLOPS, key=len, reverse=True):
-        if key in name.upper():
-            return GPU_PEAK_FLOPS[key]
-    return None
+    "A100-80G", "L4"); None if unknown."""
+    return by_accelerator_type(GPU_PEAK_FLOPS, name)
 
 
 def peak_flops(device: torch.device) -> float:

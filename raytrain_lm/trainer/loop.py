@@ -44,7 +44,6 @@ from raytrain_lm.trainer.balance import (
     MEASURE_STEPS,
     ForwardClock,
     Speeds,
-    by_type,
     per_type_metrics,
     replan_weights,
     type_weights,
@@ -258,7 +257,8 @@ class Worker:
     def start(self) -> None:
         """Records this worker group's start (events, ledger, first metrics) and announces it."""
         state, plan = self.state, self.plan
-        my_price = by_type(self.cfg.fault.price_per_hour, self.types[self.rank]) or 0.0
+        prices, my_type = self.cfg.fault.price_per_hour, self.types[self.rank]
+        my_price = hardware.by_accelerator_type(prices, my_type) or 0.0
         group_price = all_reduce([my_price], self.device)
         if self.is_chief:
             if self.cfg.training.ledger:

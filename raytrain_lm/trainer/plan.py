@@ -77,9 +77,8 @@ class BatchPlan:
                 f"micro-batch {self.micro_batch}, accumulation {self.accumulation}, global "
                 f"batch {self.global_batch}"
             )
-        return f"shares {list(self.shares)} of global batch {self.global_batch}, passes " + (
-            f"{list(self.passes)}"
-        )
+        shares, passes = list(self.shares), list(self.passes)
+        return f"shares {shares} of global batch {self.global_batch}, passes {passes}"
 
 
 def split_by_weight(total: int, weights: Sequence[float]) -> tuple[int, ...]:
