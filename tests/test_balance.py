@@ -105,11 +105,12 @@ def test_balance_settings_are_checked_up_front():
 
 
 STEPS, GROWN_AT = 24, 20
-# A simulated device (trainer/faults.py): 8 ms per sequence forward and 16 ms backward on rank 0,
-# twice that on rank 1 (half speed), slept by the host as it waits for a GPU: 0.77 s per step
-# with equal shares, 0.53 s balanced. The tiny model's own work is small beside it, so the
-# load of the tests beside this one (which starves Ray's workers at times) moves both little.
-DEVICES = "device-time:seconds=0.008:rank=1:factor=2"
+# A simulated device (trainer/faults.py): 12 ms per sequence forward and 24 ms backward on rank
+# 0, twice that on rank 1 (half speed), slept by the host as it waits for a GPU: 1.15 s per step
+# with equal shares, 0.77 s balanced. The host's own work is on the critical path only when
+# balanced (with equal shares rank 0's hides in rank 1's wait), and the suite's load starves
+# Ray's workers at times (0.2 s a step seen at 8 ms): the simulated time must dwarf it.
+DEVICES = "device-time:seconds=0.012:rank=1:factor=2"
 BALANCED = [
     "training.global_batch_size=32",
     f"training.max_steps={STEPS}",
