@@ -118,6 +118,7 @@ def test_a_bucket_outage_mid_run_is_waited_out(s3, tmp_path, monkeypatch):
         time.sleep(8)
         s3.start()
         outage["to"] = time.time()
+        faults.stop_pacing(run)  # the rest of the run at full speed
 
     breaker = threading.Thread(target=break_the_bucket_mid_run, daemon=True)
     breaker.start()

@@ -15,6 +15,7 @@ import torch
 from raytrain_lm.config import load_config
 from raytrain_lm.errors import UserError
 from raytrain_lm.model import GPT, GPTShape
+from raytrain_lm.rundir import RunDir
 from raytrain_lm.runtime import check_schedulable
 from raytrain_lm.trainer import faults
 from raytrain_lm.trainer.checkpoint import (
@@ -163,6 +164,20 @@ def test_fault_spec_parsing():
         "kill-in-checkpoint", step=8, rank=0
     )
     assert faults.parse("slow-steps:seconds=0.05").seconds == 0.05
+
+
+def test_slow_steps_pace_until_the_run_directory_says_stop(tmp_path):
+    pacer = faults.Pacer(faults.parse("slow-steps:seconds=0.2"), RunDir(str(tmp_path)))
+    started = time.perf_counter()
+    pacer.pace(started)
+    assert time.perf_counter() - started >= 0.2
+    faults.stop_pacing(tmp_path)
+    pacer._next_check = 0.0  # as a second later
+    started = time.perf_counter()
+    pacer.pace(started)
+    pacer.pace(started)
+    assert time.perf_counter() - started < 0.1
+    assert faults.Pacer(None, RunDir(str(tmp_path))).seconds == 0.0
 
 
 def test_watchdog_ends_a_stuck_worker():

@@ -13,6 +13,7 @@ from raytrain_lm.config import load_config
 from raytrain_lm.errors import UserError
 from raytrain_lm.redaction import REDACTED, looks_secret, redact
 from raytrain_lm.tracking import MLflowTracker
+from raytrain_lm.trainer import faults
 
 
 @pytest.mark.parametrize(
@@ -136,7 +137,9 @@ def test_tracker_buffers_while_the_server_is_down(server):
     assert sorted(names) == ["buffered", "fresh"]  # nothing opened twice
 
 
-def test_training_run_survives_a_tracking_outage(ray_session, tiny_overrides, server, monkeypatch):
+def test_training_run_survives_a_tracking_outage(
+    ray_session, tiny_overrides, server, tmp_path, monkeypatch
+):
     """Stop the server while a run trains and start it again later: the run completes and
     every step's metrics arrive."""
     monkeypatch.setenv("RAYTRAIN_LM_FAULT", "slow-steps:seconds=0.25")
@@ -176,6 +179,7 @@ def test_training_run_survives_a_tracking_outage(ray_session, tiny_overrides, se
     time.sleep(8)  # several steps and a checkpoint flush with nowhere to send metrics
     assert thread.is_alive(), done
     server.start()
+    faults.stop_pacing(tmp_path / "runs" / "outage")  # the rest of the run at full speed
     thread.join(timeout=300)
     assert "error" not in done, done.get("error")
     summary = done["summary"]

@@ -8,7 +8,9 @@
 - `kill-after-checkpoint:step=6:rank=0`: the same, just after that step's checkpoint was
   reported and uploaded whole (that report waits for its upload), before the next step.
 - `slow-steps:seconds=0.05`: every step takes at least that long, so a test's node changes
-  happen mid-run however fast the machine is.
+  happen mid-run however fast the machine is. Once the run directory holds `PACE_OFF` (the
+  test has seen the changes it waited for; see `stop_pacing`) the rest of the run goes at
+  full speed: each worker looks for it about once a second.
 - `device-time:seconds=0.003:rank=1:factor=3`: a simulated device. Every rank's forward pass
   takes `seconds` longer per sequence and its backward twice that (the host sleeps, as it
   waits for a GPU); the named rank's take `factor` times as long, as a slower GPU type beside
@@ -29,10 +31,13 @@ import os
 import signal
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from raytrain_lm.rundir import RunDir
 
 ENV_VAR = "RAYTRAIN_LM_FAULT"
+PACE_OFF = "fault-pace-off"
+PACE_OFF_CHECK_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -79,9 +84,31 @@ def maybe_fire(fault: Fault | None, point: str, step: int, rank: int, run_dir: R
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def pace(fault: Fault | None, step_started: float) -> None:
-    if fault is not None and fault.point == "slow-steps":
-        time.sleep(max(0.0, fault.seconds - (time.perf_counter() - step_started)))
+class Pacer:
+    """`slow-steps` for one worker: sleeps out the rest of each step's minimum length until
+    the run directory says to stop (ranks that disagree for a second only wait for each
+    other, as any rank's pace is the group's)."""
+
+    def __init__(self, fault: Fault | None, run_dir: RunDir):
+        self.seconds = fault.seconds if fault is not None and fault.point == "slow-steps" else 0.0
+        self.run_dir = run_dir
+        self._next_check = 0.0
+
+    def pace(self, step_started: float) -> None:
+        if not self.seconds:
+            return
+        now = time.perf_counter()
+        if now >= self._next_check:
+            self._next_check = now + PACE_OFF_CHECK_S
+            if self.run_dir.exists(PACE_OFF):
+                self.seconds = 0.0
+                return
+        time.sleep(max(0.0, self.seconds - (now - step_started)))
+
+
+def stop_pacing(run_dir: RunDir | str | Path) -> None:
+    """Tells a `slow-steps` run's workers to go at full speed from now on."""
+    RunDir.coerce(run_dir).write_text("off\n", PACE_OFF)
 
 
 def simulate_device(model, fault: Fault | None, rank: int) -> None:

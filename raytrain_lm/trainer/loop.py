@@ -153,6 +153,7 @@ class Worker:
         self.sync_counter = faults.sync_counter(spec.fault)
         self.clock = ForwardClock(self.device) if cfg.scaling.balance == "auto" else None
         faults.simulate_device(self.model, spec.fault, rank)
+        self.pacer = faults.Pacer(spec.fault, self.run_dir)
 
         self.state = TrainState()
         self.segment = uuid.uuid4().hex[:12]
@@ -374,7 +375,7 @@ class Worker:
             state.step, result.loss, result.grad_norm, host_metrics, result.data_wait_s
         )
         self.watchdog.beat()
-        faults.pace(self.spec.fault, self.tick)
+        self.pacer.pace(self.tick)
 
     def _share_flags(self) -> Flags:
         """Rank 0's signal flags (whether to ask Ray about preemption, whether a stop was
