@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed-stamp
 # The CPU wheel of torch; on a GPU machine use e.g. `make demo TORCH_SPEC=torch`.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install demo test lint format benchmark clean
+.PHONY: install demo test lint format benchmark gpu-wheels clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
@@ -52,6 +52,17 @@ format: $(STAMP)
 
 benchmark: $(STAMP)
 	$(PY) benchmarks/ddp_overhead.py
+
+# The wheels benchmarks/gpu_check.sh needs on the lent GPU machine (Python 3.12, no network):
+# pydantic and what it needs, at the versions installed here (benchmarks/gpu_wheels.py), into
+# .whl/ (a few MB), which travels with the tree: docs/benchmarks.md.
+GPU_PLATFORMS := manylinux_2_28_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64
+gpu-wheels: $(STAMP)
+	rm -rf .whl
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+		--implementation cp $(addprefix --platform ,$(GPU_PLATFORMS)) -d .whl \
+		$$($(PY) benchmarks/gpu_wheels.py)
+	@ls .whl; du -sh .whl
 
 clean:
 	rm -rf runs data mlflow.db .pytest_cache

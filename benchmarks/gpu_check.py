@@ -1,15 +1,25 @@
-"""The GPU check: our training loop on one GPU against a plain loop, a sharded Llama, and
-the demo end to end, all in one run that writes one JSON file. See benchmarks/gpu_check.sh.
+"""The GPU check: raytrain-lm's training step on the lent GPU machine as it is (Python 3.12, a
+CUDA torch, no Ray, no MLflow, no network), against plain PyTorch, in at most 6 minutes. It
+drives our own parts without Ray: the model, the step (trainer/step.py: micro-batches, token
+weighting, clipping, fused AdamW), token batches crossing from host memory in their compact
+dtype (hardware.tokens_to_device), losses queued on the device and read at log steps
+(trainer/pending.py), FSDP2 sharding (trainer/parallel.py) and DCP checkpoints written,
+uploaded and restored as a run does (trainer/sharded.py, checkpoint.py, restore.py).
 
-(a) GPT-2 124M (bf16, compiled): tokens/s and MFU of our loop (Ray Train, 1 worker, data
-    streamed from token shards) and of the plain loop (benchmarks/gpu_mfu.py: nanoGPT's
-    recipe, one batch resident on the GPU), as a ratio;
-(b) a Llama of about 350M parameters under FSDP on the one GPU: MFU;
-(c) the demo config for 50 steps on the GPU, end to end: NCCL group, a checkpoint at step 25,
-    a second invocation resuming from it; every step's host reads counted (count-syncs);
+(a) GPT-2 124M, bf16, compiled: tokens/s and MFU of our step and of the plain loop
+    (gpu_mfu.py: nanoGPT's recipe, one batch resident on the GPU), side by side, and the ratio;
+(b) a Llama of about 350M parameters under FSDP2 on the one GPU: tokens/s and MFU;
+(c) a Llama of about 125M under FSDP2 with selective activation checkpointing: a DCP
+    checkpoint at step 25, a fresh model and optimizer restored from it, steps 26-50 again;
+    the resumed losses against the uninterrupted ones, and the host's waits for the device at
+    the steady steps that read nothing, counted by our counter (reads from our code) and by
+    torch.cuda.set_sync_debug_mode (every synchronization torch makes);
 (d) peak GPU memory of each.
 
-`--dry-run` runs the same code paths on CPU at toy sizes (what `make test` runs).
+The JSON file is written after every part (a part that fails records its error and the next
+one runs); one line per part is printed. One process per GPU: run plainly for one GPU, or
+under `torchrun --nproc-per-node N` for N. `--dry-run`: the same code on CPU at toy sizes,
+what `make test` runs. See benchmarks/gpu_check.sh and docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -17,219 +27,365 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
+import traceback
+from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import torch
+import torch.distributed as dist
+from gpu_mfu import plain_loop
+from gpu_wheels import DEVICE_MODULES, carried_modules
 
-ROOT = Path(__file__).resolve().parents[1]
-GPT2_124M = {"n_layer": 12, "n_head": 12, "n_embd": 768, "block_size": 1024, "vocab": 50304}
-TOY_GPT = {"n_layer": 2, "n_head": 2, "n_embd": 64, "block_size": 64, "vocab": 512}
-LLAMA_350M = [
-    "model.n_layer=24", "model.n_head=16", "model.n_kv_head=8", "model.n_embd=1024",
-    "model.block_size=1024", "model.vocab_size=32000",
-]  # fmt: skip
-TOY_LLAMA = [
-    "model.n_layer=2", "model.n_head=4", "model.n_kv_head=2", "model.n_embd=64",
-    "model.block_size=64", "model.vocab_size=512",
-]  # fmt: skip
+from raytrain_lm.config import ModelConfig, TrainingConfig
+from raytrain_lm.models import build_model
+from raytrain_lm.trainer import hardware
+from raytrain_lm.trainer.checkpoint import TrainState, upload_checkpoint
+from raytrain_lm.trainer.collectives import FlagChannel
+from raytrain_lm.trainer.faults import SyncCounter
+from raytrain_lm.trainer.parallel import replicate_model, shard_model
+from raytrain_lm.trainer.pending import PendingSteps
+from raytrain_lm.trainer.plan import BatchPlan, learning_rate
+from raytrain_lm.trainer.recompute import apply_activation_checkpointing
+from raytrain_lm.trainer.restore import restore_group
+from raytrain_lm.trainer.sharded import save_sharded_checkpoint
+from raytrain_lm.trainer.step import StepParts, step_seed, train_step
 
-
-def _gpt_overrides(shape: dict) -> list[str]:
-    return [
-        "model.arch=gpt2",
-        f"model.n_layer={shape['n_layer']}",
-        f"model.n_head={shape['n_head']}",
-        f"model.n_embd={shape['n_embd']}",
-        f"model.block_size={shape['block_size']}",
-        f"model.vocab_size={shape['vocab']}",
-    ]
-
-
-def _plain_loop(shape: dict, micro: int, accumulation: int, steps: int, warmup: int) -> dict:
-    """benchmarks/gpu_mfu.py in its own process, on the same shape and batch."""
-    command = [
-        sys.executable, str(ROOT / "benchmarks" / "gpu_mfu.py"),
-        "--n-layer", str(shape["n_layer"]), "--n-head", str(shape["n_head"]),
-        "--n-embd", str(shape["n_embd"]), "--block-size", str(shape["block_size"]),
-        "--vocab-size", str(shape["vocab"]), "--micro-batch", str(micro),
-        "--accumulation", str(accumulation), "--steps", str(steps), "--warmup", str(warmup),
-    ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    out = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
-    if out.returncode != 0:
-        raise RuntimeError(f"gpu_mfu.py failed:\n{out.stderr[-3000:]}")
-    line = next(x for x in out.stdout.splitlines() if x.startswith("gpu_mfu: "))
-    return json.loads(line.removeprefix("gpu_mfu: "))
+BUDGET_S = 360.0
+SEED = 1337
+WARMUP_STEPS = 3  # a group's first steps compile and autotune: not steady, as in trainer/loop.py
+SHAPES = {  # GPU sizes, then the dry run's
+    "gpt2": {"arch": "gpt2", "n_layer": 12, "n_head": 12, "n_embd": 768, "block_size": 1024,
+             "vocab_size": 50304},  # GPT-2's 50,257 padded to a multiple of 64
+    "llama_350m": {"arch": "llama", "n_layer": 24, "n_head": 16, "n_kv_head": 8, "n_embd": 1024,
+                   "block_size": 1024, "vocab_size": 32000},
+    "llama_125m": {"preset": "125m", "vocab_size": 32000},
+}  # fmt: skip
+TOY_SHAPES = {
+    "gpt2": {"arch": "gpt2", "n_layer": 2, "n_head": 2, "n_embd": 64, "block_size": 64,
+             "vocab_size": 512},
+    "llama_350m": {"arch": "llama", "n_layer": 2, "n_head": 4, "n_kv_head": 2, "n_embd": 64,
+                   "block_size": 64, "vocab_size": 512},
+    "llama_125m": {"arch": "llama", "n_layer": 2, "n_head": 4, "n_kv_head": 2, "n_embd": 64,
+                   "block_size": 64, "vocab_size": 512},
+}  # fmt: skip
 
 
-class Runs:
-    """Our runs, through the public API, sharing one Ray, one data cache and one MLflow."""
+class Setup:
+    """This process's rank and device, its process group, and the settings a run would take."""
 
-    def __init__(self, workdir: Path, dry_run: bool):
-        self.workdir, self.dry_run = workdir, dry_run
-        self.common = [
-            f"output_dir={workdir / 'runs'}",
-            f"data.cache_dir={workdir / 'data'}",
-            f"tracking.uri=sqlite:///{workdir / 'mlflow.db'}",
-            "scaling.num_workers=1",
-            "training.sample_tokens=0",
-            # Ray Train acts on what it sees when it polls its workers (default every 2 s):
-            # each start, checkpoint and end would wait for the next poll.
-            "fault.health_check_s=0.25",
-        ]
-        if dry_run:  # a small corpus and no MLflow (seconds each run on 2 cores)
-            self.common += [
-                "data.sources=builtin:python-docs",
-                "data.max_source_bytes=300000",
-                "tracking.enabled=false",
-            ]
+    def __init__(self, dry_run: bool):
+        self.dry_run = dry_run
+        self.rank = int(os.environ.get("RANK", 0))
+        self.world = int(os.environ.get("WORLD_SIZE", 1))
+        cuda = torch.cuda.is_available() and not dry_run
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        self.device = torch.device(f"cuda:{local}" if cuda else "cpu")
+        if cuda:
+            torch.cuda.set_device(self.device)
+        hardware.configure_device(self.device)
+        backend = "nccl" if cuda else "gloo"
+        if "RANK" in os.environ:  # torchrun: its rendezvous
+            dist.init_process_group(backend)
+        else:  # one process, as `gpu_check.sh` runs it on one GPU
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        self.bf16 = hardware.use_bf16(self.device, "auto")
+        self.compile = hardware.use_compile(self.device, "auto")
 
-    def train(self, name: str, overrides: list[str]) -> tuple[dict, dict]:
-        import raytrain_lm
-        from raytrain_lm.config import load_config
+    def model_config(self, name: str) -> ModelConfig:
+        return ModelConfig(**(TOY_SHAPES if self.dry_run else SHAPES)[name])
 
-        cfg = load_config(None, [*self.common, f"name={name}", *overrides])
-        summary = raytrain_lm.train(cfg, sample=False)
-        if not cfg.tracking.enabled:
-            return summary, {}
-        history = raytrain_lm.metric_history(name, output_dir=self.workdir / "runs")
-        return summary, history
+    def peak_memory_gib(self) -> float | None:
+        if self.device.type != "cuda":
+            return None
+        return round(torch.cuda.max_memory_allocated(self.device) / 2**30, 2)
 
-    @staticmethod
-    def figures(summary: dict, history, flops_per_token: float) -> dict:
-        from raytrain_lm.trainer import hardware
-
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        tokens_per_s = summary["tokens_per_s"]
-        peak = history["perf/memory_peak_gib"].max() if "perf/memory_peak_gib" in history else None
-        return {
-            "steps": summary["steps"],
-            "tokens_per_s": round(tokens_per_s),
-            "mfu": round(flops_per_token * tokens_per_s / hardware.peak_flops(device), 4),
-            "peak_memory_GiB": None if peak is None else round(float(peak), 2),
-            "train_loss": round(summary["train_loss"], 4),
-        }
+    def fresh_memory(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
 
 
-def _flops_per_token(overrides: list[str]) -> float:
-    from raytrain_lm.config import load_config
-    from raytrain_lm.models import build_model
+def synthetic_batches(
+    vocab: int, seq_len: int, plan: BatchPlan, rank: int, first_step: int
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """This rank's share of each step from `first_step` on, as the data stream yields it:
+    (global positions, token ids [share, seq_len + 1] in the shards' compact dtype). A step's
+    tokens depend only on the step, so a restored run reads what the uninterrupted one did."""
+    dtype = np.uint16 if vocab <= 1 << 16 else np.uint32
+    offset, share = plan.offset(rank), plan.shares[rank]
+    step = first_step
+    while True:
+        rng = np.random.default_rng([SEED, step])
+        tokens = rng.integers(0, vocab, (plan.global_batch, seq_len + 1)).astype(dtype)
+        start = step * plan.global_batch + offset
+        yield np.arange(start, start + share), tokens[offset : offset + share]
+        step += 1
 
-    cfg = load_config(None, overrides)
-    with torch.device("meta"):
-        return build_model(cfg.model, cfg.model.vocab_size or 257).flops_per_token()
+
+class OurLoop:
+    """Our training step as the worker loop drives it (trainer/loop.py, `_take_step` and
+    `_read_pending`): a seed and a learning rate per step, `train_step` on this rank's share,
+    the loss and grad norm queued on the device, the stop flags shared, values read only at
+    steps that log."""
+
+    def __init__(
+        self,
+        setup: Setup,
+        model_cfg: ModelConfig,
+        global_batch: int,
+        micro_batch: int,
+        strategy: str,
+        compile_model: bool,
+        activation_checkpointing: str = "none",
+    ):
+        self.setup, self.strategy = setup, strategy
+        device = setup.device
+        torch.manual_seed(SEED)
+        self.raw = build_model(model_cfg, model_cfg.vocab_size).to(device)
+        apply_activation_checkpointing(self.raw, activation_checkpointing)
+        if strategy == "fsdp":
+            shard_model(self.raw, device, setup.world, setup.bf16, compile_blocks=compile_model)
+            model = self.raw
+        else:
+            model = replicate_model(self.raw, device, setup.world)
+            if compile_model:
+                model = torch.compile(model)
+        self.optimizer = hardware.build_adamw(
+            self.raw.optimizer_groups(0.1), 6e-4, (0.9, 0.95), device
+        )
+        training = TrainingConfig(global_batch_size=global_batch, micro_batch_size=micro_batch)
+        self.plan = BatchPlan.derive(training, setup.world)
+        self.parts = StepParts(
+            model, self.raw, self.optimizer, self.plan, setup.rank, device, setup.bf16, 1.0
+        )
+        self.pending = PendingSteps(setup.world)
+        self.flags = FlagChannel(device, 300.0)
+        self.step = 0
+        self.losses: dict[int, float] = {}
+        self.counter: SyncCounter | None = None
+        self.tokens_per_step = global_batch * model_cfg.block_size
+
+    def batches(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        shape = self.raw.shape
+        return synthetic_batches(
+            shape.vocab_size, shape.block_size, self.plan, self.setup.rank, self.step
+        )
+
+    def run(self, batches, to_step: int, read_every: int) -> None:
+        while self.step < to_step:
+            torch.manual_seed(step_seed(SEED, self.step, self.setup.rank))
+            lr = learning_rate(self.step, 6e-4, 6e-5, 10, 50)
+            result = train_step(self.parts, batches, lr)
+            self.step += 1
+            self.pending.add(self.step, result.loss, result.grad_norm, {}, result.data_wait_s)
+            self.flags.share([0, 0])
+            if self.counter is not None:
+                self.counter.close_step(self.step)
+            if self.step % read_every == 0 or self.step == to_step:
+                for step, metrics in self.pending.read().steps:
+                    self.losses[step] = metrics["train/loss"]
+                if self.counter is not None:
+                    self.counter.close_read(self.step)
+
+    def timed(self, warmup: int, steps: int, read_every: int) -> float:
+        """Tokens/s over `steps` steps after `warmup` (each end waited for by a read)."""
+        batches = self.batches()
+        self.run(batches, warmup, read_every)
+        started = time.perf_counter()
+        self.run(batches, warmup + steps, read_every)
+        return steps * self.tokens_per_step / (time.perf_counter() - started)
+
+    def figures(self, tokens_per_s: float) -> dict:
+        mfu = hardware.mfu(
+            self.raw.flops_per_token(), tokens_per_s / self.setup.world, self.setup.device
+        )
+        return {"tokens_per_s": round(tokens_per_s), "mfu": round(mfu, 4)}
 
 
-def part_a(runs: Runs, dry_run: bool) -> dict:
-    shape = TOY_GPT if dry_run else GPT2_124M
-    micro, accumulation = (4, 2) if dry_run else (16, 4)
-    steps, warmup = (8, 2) if dry_run else (40, 10)
-    plain = _plain_loop(shape, micro, accumulation, steps, warmup)
-    overrides = [
-        *_gpt_overrides(shape),
-        f"training.global_batch_size={micro * accumulation}",
-        f"training.micro_batch_size={micro}",
-        f"training.max_steps={steps + warmup}",
-        f"training.eval_every={steps + warmup}",
-        "training.eval_sequences=8",
-        f"training.log_every={max(1, steps // 4)}",
-    ]
-    summary, history = runs.train("gpt2-124m", overrides)
-    ours = runs.figures(summary, history, _flops_per_token(overrides))
+def part_a(setup: Setup) -> dict:
+    """GPT-2 124M: our step against the plain loop, same shape, batch and compile."""
+    cfg = setup.model_config("gpt2")
+    micro, accumulation = (4, 2) if setup.dry_run else (16, 4)
+    warmup, steps = (2, 6) if setup.dry_run else (10, 30)
+    compile_model = setup.compile or setup.dry_run  # the dry run compiles too: CPU inductor
+    setup.fresh_memory()
+    torch.manual_seed(SEED)
+    raw = build_model(cfg, cfg.vocab_size).to(setup.device)
+    model = torch.compile(raw) if compile_model else raw
+    plain = plain_loop(model, raw, setup.device, setup.bf16, micro, accumulation, steps, warmup)
+    plain_mfu = hardware.mfu(raw.flops_per_token(), plain["tokens_per_s"], setup.device)
+    plain |= {"mfu": round(plain_mfu, 4), "peak_memory_GiB": setup.peak_memory_gib()}
+    del raw, model
+    setup.fresh_memory()
+    global_batch = micro * accumulation * setup.world
+    ours = OurLoop(setup, cfg, global_batch, micro, "ddp", compile_model)
+    figures = ours.figures(ours.timed(warmup, steps, read_every=10))
+    figures["peak_memory_GiB"] = setup.peak_memory_gib()
     return {
-        "model": f"gpt2 {plain['params_M']}M",
+        "model": f"gpt2 {ours.raw.num_params(non_embedding=False) / 1e6:.1f}M",
         "plain_loop": {k: plain[k] for k in ("tokens_per_s", "mfu", "peak_memory_GiB")},
-        "ours": ours,
-        "ours_over_plain": round(ours["tokens_per_s"] / plain["tokens_per_s"], 3),
-        "bf16": plain["bf16"],
-        "compiled": plain["compiled"],
+        "ours": figures,
+        "ours_over_plain": round(figures["tokens_per_s"] / plain["tokens_per_s"], 3),
+        "steps": steps,
+        "bf16": setup.bf16,
+        "compiled": compile_model,
     }
 
 
-def part_b(runs: Runs, dry_run: bool) -> dict:
-    overrides = [
-        "model.arch=llama",
-        *(TOY_LLAMA if dry_run else LLAMA_350M),
-        "parallel.strategy=fsdp",
-        f"training.global_batch_size={4 if dry_run else 32}",
-        f"training.micro_batch_size={2 if dry_run else 8}",
-        f"training.max_steps={6 if dry_run else 30}",
-        "training.eval_sequences=8",
-        f"training.log_every={2 if dry_run else 10}",
-    ]
-    summary, history = runs.train("llama-350m-fsdp", overrides)
-    figures = runs.figures(summary, history, _flops_per_token(overrides))
-    from raytrain_lm.config import load_config
-    from raytrain_lm.models import parameter_count
-
-    cfg = load_config(None, overrides)
-    figures["params_M"] = round(parameter_count(cfg.model, cfg.model.vocab_size) / 1e6, 1)
-    return figures
-
-
-def part_c(runs: Runs, dry_run: bool) -> dict:
-    """The embedded demo config on the GPU: 50 steps, as two invocations (stop at 25, resume)."""
-    from raytrain_lm.trainer.faults import ENV_VAR
-    from raytrain_lm.trainer.goodput import read_events
-
-    steps = 6 if dry_run else 50
-    half = steps // 2
-    overrides = [f"training.max_steps={steps}"]
-    os.environ[ENV_VAR] = "count-syncs"
-    try:
-        first, _ = runs.train("demo", [*overrides, f"training.stop_after_step={half}"])
-        second, history = runs.train("demo", overrides)
-    finally:
-        del os.environ[ENV_VAR]
-    events = read_events(runs.workdir / "runs" / "demo")
-    restored = [e["restored_step"] for e in events if e["event"] == "segment_start"]
-    syncs = [e for e in events if e["event"] == "host_syncs"]
-    hot = sum(count for e in syncs for count in e["per_step"].values())
-    ok = first["steps"] == half and second["steps"] == steps and restored == [0, half]
+def part_b(setup: Setup) -> dict:
+    """A Llama of about 350M parameters under FSDP2 on the GPU(s)."""
+    cfg = setup.model_config("llama_350m")
+    setup.fresh_memory()
+    micro = 2 if setup.dry_run else 8
+    warmup, steps = (2, 4) if setup.dry_run else (8, 20)
+    loop = OurLoop(setup, cfg, 4 * micro * setup.world, micro, "fsdp", setup.compile)
+    figures = loop.figures(loop.timed(warmup, steps, read_every=10))
     return {
-        "backend": "nccl" if torch.cuda.is_available() else "gloo",
-        "steps": second["steps"],
-        "restored_steps": restored,
-        "val_loss": round(second["val_loss"], 4),
-        "host_syncs_in_hot_path": hot,
-        "peak_memory_GiB": round(float(history["perf/memory_peak_gib"].max()), 2)
-        if "perf/memory_peak_gib" in history
-        else None,
-        "ok": ok and hot == 0,
+        "params_M": round(loop.raw.num_params(non_embedding=False) / 1e6, 1),
+        **figures,
+        "steps": steps,
+        "peak_memory_GiB": setup.peak_memory_gib(),
+        "compiled": setup.compile,
     }
+
+
+def part_c(setup: Setup, workdir: Path) -> dict:
+    """Stop at step 25 with a DCP checkpoint, restore a fresh model and optimizer from it,
+    take steps 26-50 again; the uninterrupted run goes on to 50 beside it."""
+    cfg = setup.model_config("llama_125m")
+    setup.fresh_memory()
+    micro, half, end = (2 if setup.dry_run else 8), 25, 50
+    build = (setup, cfg, 2 * micro * setup.world, micro, "fsdp", True, "selective")
+    counter = SyncCounter(setup.device)
+    first = OurLoop(*build)
+    first.counter = counter
+    batches = first.batches()
+    first.run(batches, half, read_every=10)
+    checkpoint = _save(first, workdir)
+    counter.reset()  # saving waits for the device: not a step's
+    first.run(batches, end, read_every=10)
+    # Each run's own steps after its warm-up (its first steps compile): none may wait.
+    steady = [
+        (counter.per_step.pop(s), counter.device_per_step.pop(s, 0)) for s in range(1, end + 1)
+    ]
+    steady = steady[WARMUP_STEPS:]
+
+    resumed = OurLoop(*build)
+    location, state = restore_group(
+        [checkpoint], resumed.raw, resumed.optimizer, setup.device, setup.rank, "fsdp", 600.0
+    )
+    counter.reset()
+    resumed.step, resumed.counter = state.step, counter
+    resumed.run(resumed.batches(), end, read_every=10)
+    later = range(state.step + 1 + WARMUP_STEPS, end + 1)
+    steady += [(counter.per_step[s], counter.device_per_step.get(s, 0)) for s in later]
+
+    gap = max(abs(first.losses[s] - resumed.losses[s]) for s in range(half + 1, end + 1))
+    ours = sum(mine for mine, _ in steady)
+    theirs = sum(torch_s for _, torch_s in steady) if counter.counts_device else None
+    tolerance = 1e-5 if setup.device.type == "cpu" else 5e-2  # bf16, nondeterministic kernels
+    return {
+        "params_M": round(first.raw.num_params(non_embedding=False) / 1e6, 1),
+        "restored_from": Path(location).name if location else None,
+        "restored_step": state.step,
+        "resumed_loss_gap": gap,
+        "loss_at_50": round(first.losses[end], 4),
+        "host_syncs_at_steady_steps": {"ours": ours, "torch": theirs, "steps": len(steady)},
+        "peak_memory_GiB": setup.peak_memory_gib(),
+        "ok": state.step == half and gap <= tolerance and ours == 0 and not theirs,
+    }
+
+
+def _save(loop: OurLoop, workdir: Path) -> str:
+    """A sharded checkpoint as a run writes one: each rank's shards in a local folder, then
+    uploaded into the run directory, the COMPLETE marker last."""
+    step = loop.step
+    local = workdir / f"local-{loop.setup.rank}"
+    state = TrainState(
+        step=step,
+        tokens=step * loop.tokens_per_step,
+        position=step * loop.plan.global_batch,
+        world_size=loop.setup.world,
+        strategy="fsdp",
+    )
+    save_sharded_checkpoint(
+        local, loop.raw, loop.optimizer, state, {}, loop.setup.rank, full_weights=False
+    )
+    destination = str(workdir / "run" / f"checkpoint_{step:06d}")
+    chief = loop.setup.rank == 0
+    upload_checkpoint(local, destination, 300.0, gather_parts=loop.setup.world if chief else 0)
+    dist.barrier()
+    return destination
+
+
+def unexpected_imports() -> list[str]:
+    """Top-level modules imported that are neither the standard library, nor on the lent
+    machine, nor carried (`make gpu-wheels`), nor ours, nor generated (inductor's kernels)."""
+    allowed = set(sys.stdlib_module_names) | DEVICE_MODULES | carried_modules()
+    allowed |= {"raytrain_lm", "gpu_mfu", "gpu_wheels", "__main__", "__mp_main__"}
+    unexpected = set()
+    for name, module in list(sys.modules.items()):
+        top = name.split(".")[0]
+        if top in allowed or top.startswith("_") or module is None:
+            continue
+        where = str(getattr(module, "__file__", None) or "")
+        if not where or "torchinductor" in where or "/setuptools/_vendor/" in where:
+            continue  # built in, compiled by inductor, or what setuptools carries
+        unexpected.add(top)
+    return sorted(unexpected)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dry-run", action="store_true", help="CPU, toy sizes: the same code paths")
     p.add_argument("--out", default="gpu_check.json", help="where to write the results")
-    p.add_argument("--workdir", help="runs, data and MLflow (default: a temporary folder)")
+    p.add_argument("--budget-s", type=float, default=BUDGET_S, help="parts start only within it")
     args = p.parse_args(argv)
-    if not args.dry_run and not torch.cuda.is_available():
-        print("gpu_check: no CUDA device; use --dry-run on CPU", file=sys.stderr)
-        return 2
     started = time.time()
+    out = Path(args.out)
+    results: dict = {"dry_run": args.dry_run, "torch": torch.__version__}
+    if not args.dry_run and not torch.cuda.is_available():
+        results["error"] = "no CUDA GPU is visible: nothing measured"
+        out.write_text(json.dumps(results, indent=2) + "\n")
+        print(
+            f"gpu_check: no CUDA GPU is visible to torch {torch.__version__} (CUDA build: "
+            f"{torch.version.cuda or 'no'}); nothing measured. On CPU: --dry-run",
+            file=sys.stderr,
+        )
+        return 2
+    setup = Setup(args.dry_run)
+    device = setup.device
+    results["device"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    results["world_size"] = setup.world
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as scratch:
-        workdir = Path(args.workdir or scratch).resolve()
-        runs = Runs(workdir, args.dry_run)
-        results: dict = {
-            "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-            "dry_run": args.dry_run,
-            "torch": torch.__version__,
-        }
-        for name, part in (("a_gpt2_124m", part_a), ("b_llama_fsdp", part_b), ("c_demo", part_c)):
+        parts = (("a_gpt2_124m", part_a), ("b_llama_fsdp", part_b), ("c_checkpoint", part_c))
+        for name, part in parts:
             t0 = time.time()
-            results[name] = part(runs, args.dry_run)
-            results[name]["wall_s"] = round(time.time() - t0, 1)
-            print(f"gpu_check: {name}: {json.dumps(results[name])}", flush=True)
-        results["wall_s"] = round(time.time() - started, 1)
-    Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
-    print(f"gpu_check: wrote {args.out} ({results['wall_s']} s)")
-    return 0 if results["c_demo"]["ok"] else 1
+            if t0 - started > args.budget_s:
+                results[name] = {"skipped": f"past the {args.budget_s:.0f} s budget"}
+            else:
+                try:
+                    results[name] = part(setup, Path(scratch)) if part is part_c else part(setup)
+                except Exception as exc:  # the next part still runs, and this one says why
+                    traceback.print_exc()
+                    results[name] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+                results[name]["wall_s"] = round(time.time() - t0, 1)
+            if setup.rank == 0:
+                print(f"gpu_check: {name}: {json.dumps(results[name])}", flush=True)
+                out.write_text(json.dumps(results, indent=2) + "\n")
+    results["unexpected_imports"] = unexpected_imports()
+    results["wall_s"] = round(time.time() - started, 1)
+    ok = results.get("c_checkpoint", {}).get("ok") and not results["unexpected_imports"]
+    ok = ok and not any("error" in results[name] for name, _ in parts)
+    if setup.rank == 0:
+        out.write_text(json.dumps(results, indent=2) + "\n")
+        print(f"gpu_check: wrote {out} ({results['wall_s']} s); ok: {bool(ok)}", flush=True)
+    dist.destroy_process_group()
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

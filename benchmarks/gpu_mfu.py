@@ -1,13 +1,15 @@
-"""MFU of GPT-2 124M on one GPU: bf16 autocast, torch.compile, fused AdamW, flash attention
-(SDPA), TF32 — the CUDA path of raytrain-lm's training step, without Ray around it.
+"""MFU of a plain training loop on one GPU: nanoGPT's recipe (bf16 autocast, torch.compile,
+fused AdamW, flash attention through SDPA, TF32) around raytrain-lm's model, one batch
+resident on the GPU: the baseline our own step is measured against (gpu_check.py, part a).
 
-    PYTHONPATH=. python benchmarks/gpu_mfu.py            # on a machine with a GPU
+    PYTHONPATH=. python benchmarks/gpu_mfu.py            # GPT-2 124M, on a machine with a GPU
     PYTHONPATH=. python benchmarks/gpu_mfu.py --steps 5 --n-layer 2 --n-embd 128  # CPU smoke test
     # FSDP2 as the trainer applies it (per-block compile, bf16 gather, fp32 reduce), on a
     # llama preset; under torchrun, sharded over the GPUs of the machine:
     PYTHONPATH=. torchrun --nproc-per-node 1 benchmarks/gpu_mfu.py --strategy fsdp --preset 1b
 
-Needs only torch. Anchors: 45-55% MFU for models of this size on A100/H100.
+Needs torch and pydantic (the model config), nothing else: no Ray, no MLflow. Anchors: 45-55%
+MFU for models of this size on A100/H100.
 """
 
 from __future__ import annotations
@@ -25,6 +27,45 @@ from raytrain_lm.model import GPT, GPTShape
 from raytrain_lm.models import build_model
 from raytrain_lm.trainer import hardware
 from raytrain_lm.trainer.parallel import shard_model
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def plain_loop(
+    model: torch.nn.Module,
+    raw: torch.nn.Module,
+    device: torch.device,
+    bf16: bool,
+    micro_batch: int,
+    accumulation: int,
+    steps: int,
+    warmup: int,
+) -> dict:
+    """`warmup` then `steps` timed optimizer steps of `model` (as wrapped: compiled, sharded)
+    on one random batch kept on the device, each step waited for; tokens/s over the timed ones."""
+    shape = raw.shape
+    optimizer = hardware.build_adamw(raw.optimizer_groups(0.1), 6e-4, (0.9, 0.95), device)
+    data = torch.randint(0, shape.vocab_size, (micro_batch, shape.block_size + 1), device=device)
+    x, y = data[:, :-1].contiguous(), data[:, 1:].contiguous()
+    times = []
+    for step in range(warmup + steps):
+        synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(accumulation):
+            with hardware.autocast(device, bf16):
+                _, loss = model(x, y)
+            (loss / accumulation).backward()
+        torch.nn.utils.clip_grad_norm_(raw.parameters(), 1.0)  # DTensor-aware under fsdp
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        synchronize(device)
+        if step >= warmup:
+            times.append(time.perf_counter() - t0)
+    tokens_per_s = micro_batch * accumulation * shape.block_size * len(times) / sum(times)
+    return {"tokens_per_s": round(tokens_per_s), "loss": round(loss.detach().item(), 4)}
 
 
 def main() -> None:
@@ -54,7 +95,6 @@ def main() -> None:
     torch.manual_seed(0)
     if args.preset:
         raw = build_model(ModelConfig(preset=args.preset, vocab_size=args.vocab_size), 0)
-        args.block_size = raw.block_size
     else:
         shape = GPTShape(args.vocab_size, args.block_size, args.n_layer, args.n_head, args.n_embd)
         raw = GPT(shape)
@@ -68,29 +108,10 @@ def main() -> None:
         shard_model(raw, device, world, bf16, compile_blocks=compile_model)
     elif compile_model:
         model = torch.compile(raw)
-    optimizer = hardware.build_adamw(raw.optimizer_groups(0.1), 6e-4, (0.9, 0.95), device)
-    data = torch.randint(0, args.vocab_size, (args.micro_batch, args.block_size + 1), device=device)
-    x, y = data[:, :-1].contiguous(), data[:, 1:].contiguous()
-
-    times = []
-    for step in range(args.warmup + args.steps):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(args.accumulation):
-            with hardware.autocast(device, bf16):
-                _, loss = model(x, y)
-            (loss / args.accumulation).backward()
-        torch.nn.utils.clip_grad_norm_(raw.parameters(), 1.0)  # DTensor-aware under fsdp
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        if step >= args.warmup:
-            times.append(time.perf_counter() - t0)
-    tokens_per_step = args.micro_batch * args.accumulation * args.block_size
-    tokens_per_s = tokens_per_step * len(times) / sum(times)
-    flops = raw.flops_per_token() * tokens_per_s
+    figures = plain_loop(
+        model, raw, device, bf16, args.micro_batch, args.accumulation, args.steps, args.warmup
+    )
+    flops = raw.flops_per_token() * figures["tokens_per_s"] / world
     result = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "model": args.preset or "gpt2",
@@ -103,11 +124,10 @@ def main() -> None:
         if cuda
         else None,
         "flash_sdpa": device.type == "cuda" and torch.backends.cuda.flash_sdp_enabled(),
-        "tokens_per_s": round(tokens_per_s),
+        **figures,
         "achieved_tflops": round(flops / 1e12, 2),
         "peak_tflops": hardware.peak_flops(device) / 1e12,
         "mfu": round(flops / hardware.peak_flops(device), 4),
-        "loss": round(loss.detach().item(), 4),
     }
     if rank == 0:
         print("gpu_mfu: " + json.dumps(result))

@@ -93,7 +93,7 @@ def evaluate(
     checkpoint folder `run`) on the text `sources` name, through the run's tokenizer and data
     path, on `workers` Ray Train workers; logged to the run's MLflow run as
     `eval/<name>/loss` and `eval/<name>/perplexity`. See docs/export.md."""
-    from raytrain_lm.evaluate import evaluate as _evaluate
+    from raytrain_lm.text_eval import evaluate as _evaluate
 
     return _evaluate(
         run,

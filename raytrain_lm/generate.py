@@ -9,14 +9,18 @@ import torch
 import yaml
 
 from raytrain_lm.causal_lm import CausalLM
-from raytrain_lm.config import RunConfig
+from raytrain_lm.config import read_written_config
 from raytrain_lm.errors import UserError
 from raytrain_lm.models import build_model
+from raytrain_lm.rundir import RunDir
 from raytrain_lm.storage import filesystem, join
 from raytrain_lm.tokenization import Tokenizer, load_tokenizer
 from raytrain_lm.trainer.checkpoint import (
     CONFIG_FILE,
+    MARKER_FILE,
     MODEL_FILE,
+    PART_PREFIX,
+    STATE_FILE,
     is_complete,
     latest_complete_checkpoint,
     load_model_state,
@@ -27,7 +31,10 @@ from raytrain_lm.trainer.sharded import consolidated_weights
 
 def resolve_checkpoint(run_or_checkpoint: str, output_dir: str = "runs") -> str:
     """A checkpoint folder, a run folder (its newest checkpoint) or a run name under
-    output_dir; local or in a bucket."""
+    output_dir; local or in a bucket. A folder that is neither a run nor a checkpoint (an
+    export, a data folder that happens to have the run's name) gives way to the run of that
+    name under output_dir."""
+    other_folder = None
     for candidate in (run_or_checkpoint, join(output_dir, run_or_checkpoint)):
         if not _is_folder(candidate):
             continue
@@ -36,8 +43,30 @@ def resolve_checkpoint(run_or_checkpoint: str, output_dir: str = "runs") -> str:
         latest = latest_complete_checkpoint(candidate)
         if latest is not None:
             return latest
-        raise UserError(f"{candidate} holds no complete checkpoint")
+        if RunDir(candidate).is_run() or _is_checkpoint(candidate):
+            raise UserError(f"{candidate} holds no complete checkpoint")
+        other_folder = other_folder or candidate
+    if other_folder is not None:
+        raise UserError(
+            f"{other_folder} is {_what_folder(other_folder)}, not a run or a checkpoint, and "
+            f"{output_dir}/ holds no run named '{run_or_checkpoint}'"
+        )
     raise UserError(f"no run or checkpoint named '{run_or_checkpoint}' (looked in {output_dir}/)")
+
+
+def _is_checkpoint(location: str) -> bool:
+    """A checkpoint folder, complete or not (its state or a marker was written)."""
+    files = set(RunDir(location).list_files())
+    return bool(files & {STATE_FILE, MARKER_FILE}) or any(
+        name.startswith(PART_PREFIX) for name in files
+    )
+
+
+def _what_folder(location: str) -> str:
+    files = set(RunDir(location).list_files())
+    if "config.json" in files and any(name.endswith(".safetensors") for name in files):
+        return "a Hugging Face transformers folder (an export)"
+    return "a folder"
 
 
 def _is_folder(location: str) -> bool:
@@ -52,7 +81,7 @@ def load_model(checkpoint: str | Path, device: str = "cpu") -> tuple[CausalLM, T
     from safetensors.torch import load_file
 
     with local_copy(checkpoint) as folder:
-        cfg = RunConfig.model_validate(yaml.safe_load((folder / CONFIG_FILE).read_text()))
+        cfg = read_written_config(yaml.safe_load((folder / CONFIG_FILE).read_text()))
         tokenizer = load_tokenizer(folder)
         model = build_model(cfg.model, tokenizer.vocab_size)
         if (folder / MODEL_FILE).is_file():

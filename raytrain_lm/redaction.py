@@ -1,10 +1,11 @@
 """The one rule for what counts as a secret: MLflow params and tags, and every config YAML a
 run writes (its run directory, its checkpoints, its MLflow artifact), go through it.
 
-A value is a secret when its key looks like it names a credential and the value is a
-non-empty string: `scaling.label_selector.hf_token: abc` is hidden, a Ray resource named
-`license_key` keeps its count (a number is never a credential, and configs read back must
-still validate).
+A value is a secret when its key looks like it names a credential, at any depth, whatever its
+type (a number or a list can be a credential too): `scaling.label_selector.hf_token: abc` and
+`fault.price_per_hour.api_key: 12345` are hidden; so is the count of a Ray resource named
+`license_key`, the price of that rule. Empty values, None and booleans are not secrets. Configs
+read back from what a run wrote (`config.read_written_config`) leave hidden values out.
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ def looks_secret(key: str) -> bool:
 
 
 def _hidden(key: str, value: Any) -> Any:
-    return REDACTED if isinstance(value, str) and value and looks_secret(key) else value
+    if value is None or isinstance(value, bool) or value in ("", []):
+        return value
+    return REDACTED if looks_secret(key) else value
 
 
 def redact(values: dict[str, Any]) -> dict[str, Any]:

@@ -8,6 +8,7 @@ import os
 from collections.abc import Iterator
 
 from raytrain_lm.config import ScalingConfig
+from raytrain_lm.console import plain_when_not_a_terminal, quiet_worker_output
 from raytrain_lm.errors import UserError
 
 API_SERVER_ENV = "RAY_API_SERVER_ADDRESS"
@@ -83,6 +84,7 @@ def ensure_ray(scaling: ScalingConfig, extra_cpus: float = 0.0) -> None:
     """
     import ray
 
+    plain_when_not_a_terminal()  # before ray.init logs (see console.py)
     if not ray.is_initialized():
         if joins_cluster(scaling):
             # an existing cluster is sized by its own config: no num_cpus here
@@ -91,6 +93,7 @@ def ensure_ray(scaling: ScalingConfig, extra_cpus: float = 0.0) -> None:
             needed = cpus_needed(scaling) + extra_cpus
             logical = max(os.cpu_count() or 1, math.ceil(needed))
             init_local_ray(num_cpus=logical, log_to_driver=True, logging_level=_log_level())
+    quiet_worker_output()  # whoever started this Ray (a notebook often has)
     check_schedulable(
         scaling,
         ray.cluster_resources(),
@@ -162,6 +165,7 @@ def ensure_local_ray() -> None:
     """A Ray to run a data job on: the running one, $RAY_ADDRESS, or a new local one."""
     import ray
 
+    plain_when_not_a_terminal()
     if not ray.is_initialized():
         if os.environ.get("RAY_ADDRESS"):
             ray.init(log_to_driver=True, logging_level=_log_level())
@@ -172,3 +176,4 @@ def ensure_local_ray() -> None:
                 log_to_driver=True,
                 logging_level=_log_level(),
             )
+    quiet_worker_output()

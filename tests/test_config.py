@@ -7,7 +7,14 @@ import pytest
 import yaml
 
 from raytrain_lm.cli import run as cli_run
-from raytrain_lm.config import RunConfig, flatten, load_config, parse_override, to_yaml
+from raytrain_lm.config import (
+    RunConfig,
+    flatten,
+    load_config,
+    parse_override,
+    read_written_config,
+    to_yaml,
+)
 from raytrain_lm.errors import UserError
 from raytrain_lm.redaction import REDACTED, redact
 
@@ -50,6 +57,9 @@ def test_overrides_are_typed():
         (["training.precision=fp8"], "invalid value for 'training.precision'"),
         (["name=has space"], "invalid value for 'name'"),
         (["nonsense"], "not of the form"),
+        # Two ranks on one GPU (NCCL: duplicate GPU), or a second GPU no rank uses.
+        (["scaling.gpus_per_worker=0.5"], "each worker trains on exactly one GPU"),
+        (["scaling.gpus_per_worker=2"], "each worker trains on exactly one GPU"),
     ],
 )
 def test_config_errors_name_the_key(overrides, message):
@@ -146,21 +156,30 @@ def test_resolved_tracking_store(tmp_path, monkeypatch, uri, env, expected):
 
 def test_config_yaml_hides_secrets_by_the_params_rule_and_reads_back():
     """The run's config.yaml (and its MLflow artifact) hides exactly what the MLflow params
-    hide, and still validates: resume checks and `generate` read it back."""
+    hide, at any depth and of any type, and still validates when read back (resume checks,
+    `generate` and `eval` read it), the hidden settings left at their defaults."""
     cfg = load_config(
         None,
         [
             "scaling.label_selector.hf_token=hf_abc",
             "scaling.label_selector.zone=us-a",
             "scaling.worker_resources.license_key=2",
+            "fault.price_per_hour.api_key=918273",
+            "fault.price_per_hour.A100=1.5",
         ],
     )
     text = to_yaml(cfg)
-    assert "hf_abc" not in text
-    back = RunConfig.model_validate(yaml.safe_load(text))
-    assert back.scaling.label_selector == {"hf_token": REDACTED, "zone": "us-a"}
-    assert back.scaling.worker_resources == {"license_key": 2.0}  # a count, not a secret
-    assert flatten(back) == redact(flatten(cfg))
+    params = redact(flatten(cfg))
+    for secret in ("hf_abc", "918273"):
+        assert secret not in text and secret not in str(params)
+    assert flatten(yaml.safe_load(text)) == params  # one rule for both
+    assert params["fault.price_per_hour.api_key"] == REDACTED
+    assert params["scaling.worker_resources.license_key"] == REDACTED
+    back = read_written_config(yaml.safe_load(text))
+    assert back.scaling.label_selector == {"zone": "us-a"}
+    assert back.scaling.worker_resources == {}
+    assert back.fault.price_per_hour == {"A100": 1.5}
+    assert back.model == cfg.model and back.optim == cfg.optim
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""`raytrain-lm eval RUN --data SOURCES` (raytrain_lm/evaluate.py) on the suite's trained llama
+"""`raytrain-lm eval RUN --data SOURCES` (raytrain_lm/text_eval.py) on the suite's trained llama
 run: the figure Ray Train workers compute and log equals one computed here by hand."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from raytrain_lm.generate import load_model
 from raytrain_lm.trainer.checkpoint import complete_checkpoints
 
 # Text the run never trained on (it trained on the standard library): our own source.
-TEXT = Path(__file__).parents[1] / "raytrain_lm" / "config.py"
+TEXT = Path(__file__).parents[1] / "raytrain_lm" / "trainer" / "launch.py"
 
 
 def _by_hand(checkpoint: Path, data_dir: str) -> tuple[float, int]:

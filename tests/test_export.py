@@ -4,6 +4,7 @@ itself: the suite's trained llama (sharded) and gpt2 (DDP) runs."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -85,3 +86,26 @@ def test_a_sharded_checkpoint_exports_in_shards_and_refusals_write_nothing(learn
          "model.safetensors.index.json", "special_tokens_map.json", "tokenizer.json",
          "tokenizer_config.json"}
     )  # fmt: skip
+
+
+def test_generate_takes_the_run_beside_an_export_folder_of_its_name(
+    request, tmp_path, monkeypatch, capsys
+):
+    """A user exports run `hf` into `hf/` where they stand, then samples from the run by name:
+    the export folder (neither a run nor a checkpoint) gives way to the run under runs/, and
+    without such a run the error says what the folder is."""
+    runs, name = _run_of("gpt2", request)
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(runs / name, tmp_path / "runs" / "hf")
+    assert cli.run(["export", "hf", "--out", "hf"]) == 0
+    capsys.readouterr()
+    assert cli.run(["generate", "--run", "hf", "--prompt", "def ", "--tokens", "5"]) == 0
+    assert capsys.readouterr().out.startswith("def ")
+
+    shutil.rmtree(tmp_path / "runs" / "hf")
+    with pytest.raises(UserError) as err:
+        cli.run(["generate", "--run", "hf"])
+    assert str(err.value) == (
+        "hf is a Hugging Face transformers folder (an export), not a run or a checkpoint, and "
+        "runs/ holds no run named 'hf'"
+    )

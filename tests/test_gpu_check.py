@@ -1,5 +1,5 @@
-"""benchmarks/gpu_check.sh --dry-run, as shipped: the GPU check's code paths on CPU at toy
-size (our loop and the plain one, a sharded Llama, the demo stopped and resumed), one JSON."""
+"""The GPU checks' dry runs, as shipped: benchmarks/gpu_check.sh (no Ray: what the lent GPU
+machine runs) and benchmarks/gpu_check_ray.py (the Ray Train end to end), on CPU at toy size."""
 
 from __future__ import annotations
 
@@ -12,20 +12,86 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+PARTS = ("a_gpt2_124m", "b_llama_fsdp", "c_checkpoint")
+
+
+def _run(command: list[str], tmp_path: Path, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHON": sys.executable}
+    env.pop("RAY_ADDRESS", None)
+    return subprocess.run(
+        command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_gpu_check_dry_run_runs_our_step_without_ray(tmp_path):
+    """Our step, compiled, against the plain loop; FSDP2; a DCP checkpoint restored into a
+    fresh model whose next 25 steps equal the uninterrupted run's; no host waits at steady
+    steps; nothing imported that the lent GPU machine lacks (no Ray, no MLflow)."""
+    out = tmp_path / "gpu_check.json"
+    script = str(ROOT / "benchmarks" / "gpu_check.sh")
+    done = _run(["bash", script, "--dry-run", "--out", str(out)], tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert results["dry_run"] is True and results["device"] == "cpu"
+    assert results["unexpected_imports"] == []
+    lines = [line for line in done.stdout.splitlines() if line.startswith("gpu_check: ")]
+    assert [line.split(":")[1].strip() for line in lines[:3]] == list(PARTS)  # one line each
+
+    a = results["a_gpt2_124m"]
+    assert a["compiled"] is True and a["bf16"] is False and a["steps"] == 6
+    assert a["ours"]["tokens_per_s"] > 0 and a["plain_loop"]["tokens_per_s"] > 0
+    assert 0 < a["ours"]["mfu"] <= 1 and a["ours_over_plain"] > 0
+
+    b = results["b_llama_fsdp"]
+    assert b["steps"] == 4 and 0 < b["mfu"] <= 1 and b["params_M"] > 0
+
+    c = results["c_checkpoint"]
+    assert c["ok"] and c["restored_from"] == "checkpoint_000025" and c["restored_step"] == 25
+    assert c["resumed_loss_gap"] <= 1e-5
+    syncs = c["host_syncs_at_steady_steps"]
+    assert syncs["ours"] == 0 and syncs["steps"] == 47 + 22  # both runs' steps after warm-up
+
+
+def test_gpu_check_says_so_when_no_gpu_is_there(tmp_path):
+    out = tmp_path / "gpu_check.json"
+    done = _run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--out", str(out)], tmp_path)
+    assert done.returncode == 2
+    assert "no CUDA GPU is visible" in done.stderr and "--dry-run" in done.stderr
+    assert json.loads(out.read_text())["error"] == "no CUDA GPU is visible: nothing measured"
+
+
+def test_the_import_check_would_see_ray(monkeypatch):
+    """The dry run's import check can fail: in this process (which has Ray and MLflow) it
+    names them."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import mlflow  # noqa: F401
+    import ray  # noqa: F401
+    from gpu_check import unexpected_imports
+
+    assert {"ray", "mlflow"} <= set(unexpected_imports())
+
+
+def test_the_package_imports_nothing_heavy():
+    """`import raytrain_lm` (and the model) where Ray, MLflow and pydantic may be missing."""
+    probe = (
+        "import sys, raytrain_lm, raytrain_lm.model, raytrain_lm.llama; "
+        "print(sorted(m for m in ('ray', 'mlflow', 'pydantic', 'pyarrow', 'pandas') "
+        "if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+    import raytrain_lm
+    import raytrain_lm.text_eval  # noqa: F401  (a submodule named like an API function shadowed it)
+
+    assert callable(raytrain_lm.evaluate) and raytrain_lm.evaluate.__module__ == "raytrain_lm.api"
 
 
 @pytest.mark.own_ray
-def test_gpu_check_dry_run_writes_its_figures(tmp_path):
-    out = tmp_path / "gpu_check.json"
-    env = {**os.environ, "PYTHON": sys.executable}
-    env.pop("RAY_ADDRESS", None)
-    done = subprocess.run(
-        ["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--dry-run", "--out", str(out)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+def test_gpu_check_ray_dry_run_writes_its_figures(tmp_path):
+    out = tmp_path / "gpu_check_ray.json"
+    script = str(ROOT / "benchmarks" / "gpu_check_ray.py")
+    done = _run([sys.executable, script, "--dry-run", "--out", str(out)], tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = json.loads(out.read_text())
     assert results["dry_run"] is True and results["device"] == "cpu"

@@ -7,6 +7,9 @@ copy of notebooks/ with the repository's experiments/ beside it, so every relati
 notebook (`runs`, `data`, `sqlite:///mlflow.db`, `../experiments/...`) names what it names in
 the repository, and what the notebook writes stays in the test's temporary folder.
 
+What a notebook prints is checked as a user reads it: the lines it promises, and none of the
+noise that Ray prints around a run in a notebook (`assert_quiet`; raytrain_lm/console.py).
+
 Each kernel is its own process with its own Ray: a local one for the quickstart and the sweep
 (never the test session's, hence `own_ray`), a multi-node `LocalCluster` for the elastic
 notebook (hence `chaos`). Both kinds run in the second pytest process of `make test`.
@@ -18,6 +21,7 @@ import json
 import os
 import re
 import shutil
+from collections import Counter
 from pathlib import Path
 
 import nbformat
@@ -30,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 KERNEL = "raytrain-lm-tests"
 SMALL = "RAYTRAIN_LM_NOTEBOOK_SMALL"
+INHERITED = ("RAY_ADDRESS", "RAY_DEDUP_LOGS")  # not passed on to a kernel (see run_notebook)
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +68,8 @@ def run_notebook(folder: Path, name: str, timeout: int = 600):
     executed notebook (a failing cell raises CellExecutionError) and leaves it in `folder`."""
     nb = nbformat.read(folder / name, as_version=4)
     # The test session's Ray exports its address; a kernel that inherited it would join it.
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {SMALL: "1"}
+    # conftest's RAY_DEDUP_LOGS is for that Ray: the kernel prints as a user's would.
+    env = {k: v for k, v in os.environ.items() if k not in INHERITED} | {SMALL: "1"}
     client = NotebookClient(
         nb, timeout=timeout, kernel_name=KERNEL, resources={"metadata": {"path": str(folder)}}
     )
@@ -83,6 +89,60 @@ def outputs_text(cell) -> str:
         elif "data" in out:
             parts.append(out.data.get("text/plain", ""))
     return "".join(parts)
+
+
+# What a notebook must not print (see raytrain_lm/console.py): Ray's and tqdm's hints about
+# ipywidgets, colour codes, Ray's C++ log lines, Ray Data's log of its executions.
+NOISE = {
+    "tqdm's ipywidgets warning": re.compile(r"IProgress not found"),
+    "Ray's ipywidgets hint": re.compile(r"Missing packages"),
+    "an ANSI escape code": re.compile(r"\x1b\["),
+    "a core_worker log line": re.compile(
+        r"^\(.*\) .*core_worker|core_worker\.cc|E\d{4} |\d\d,\d{3} E \d+ \d+\]", re.M
+    ),
+    "Ray Data's execution log": re.compile(
+        r"Execution plan of Dataset|Starting execution of Dataset|execution finished in"
+        r"|Progress bars disabled"
+    ),
+}
+REPEATS = 3  # a line printed this often, word for word, is noise (a log per process or task)
+
+
+def shown_lines(cell) -> list[str]:
+    """The lines Jupyter shows of a cell's printed output: consecutive writes to one stream
+    joined, as Jupyter joins them, and a carriage return overwriting its line (a text
+    progress bar shows its last state)."""
+    streams: list[list[str]] = []  # [name, text]
+    for output in cell.outputs:
+        if output.output_type != "stream":
+            streams.append(["", ""])  # a result or a plot between: no longer consecutive
+        elif streams and streams[-1][0] == output.name:
+            streams[-1][1] += output.text
+        else:
+            streams.append([output.name, output.text])
+    return [
+        ([part for part in line.split("\r") if part] or [""])[-1]
+        for _, text in streams
+        for line in text.split("\n")
+    ]
+
+
+def assert_quiet(nb, repeats: int | None = REPEATS) -> None:
+    """No cell of the executed `nb` printed noise, and the notebook no line `repeats` times
+    (None: lines may repeat)."""
+    problems, counts = [], Counter()
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type != "code":
+            continue
+        for what, pattern in NOISE.items():
+            if found := pattern.search(outputs_text(cell)):
+                problems.append(f"cell {i} printed {what}: {found.string[found.start() :][:200]!r}")
+        counts.update(line.strip() for line in shown_lines(cell) if len(line.strip()) >= 10)
+    if repeats is not None:
+        problems += [
+            f"printed {n} times: {line[:200]!r}" for line, n in counts.items() if n >= repeats
+        ]
+    assert not problems, "\n".join(problems)
 
 
 def cell_with(nb, source: str):
@@ -128,6 +188,11 @@ def test_the_sweep_file_shown_is_the_one_the_sweeps_notebook_runs():
 @pytest.mark.own_ray
 def test_quickstart(kernel, notebooks_dir):
     nb = run_notebook(notebooks_dir, "01_quickstart.ipynb")
+    assert_quiet(nb)
+    started = outputs_text(cell_with(nb, "ray.init("))
+    assert "Started a local Ray instance. View the dashboard at http" in started, started
+    prepared = outputs_text(cell_with(nb, "prepare(cfg.data)"))
+    assert re.search(r"^data/\w+: [\d,]+ train / [\d,]+ val tokens$", prepared, re.M), prepared
     steps = 12
     trained = outputs_text(cell_with(nb, "raytrain_lm.train("))
     assert f"{steps}/{steps} | loss" in trained, "no live progress line in the training cell"
@@ -147,6 +212,7 @@ def test_quickstart(kernel, notebooks_dir):
 @pytest.mark.own_ray
 def test_sweeps(kernel, notebooks_dir):
     nb = run_notebook(notebooks_dir, "02_sweeps.ipynb")
+    assert_quiet(nb)
     table = cell_with(nb, "pd.json_normalize").outputs[0].data["text/plain"]
     assert len(re.findall(r"^\d+\s+\w+_\d{5}\s", table, re.M)) == 2, table  # one row a trial
     assert "optim.lr" in table and "model.n_embd" in table, table
@@ -161,6 +227,9 @@ def test_sweeps(kernel, notebooks_dir):
 @pytest.mark.chaos
 def test_elastic(kernel, notebooks_dir):
     nb = run_notebook(notebooks_dir, "03_elastic.ipynb", timeout=900)
+    # A node is killed on purpose: Ray reports it, as any node loss, with the raylet's last log
+    # lines (some alike) and the workers' errors. That report stays; the noise must not.
+    assert_quiet(nb, repeats=None)
     (run_dir,) = (notebooks_dir / "runs").glob("elastic-*")
     sizes = [s["world_size"] for s in segments(run_dir)]
     assert sizes[0] == 3 and 2 in sizes and sizes[-1] == 3, sizes

@@ -34,7 +34,8 @@ from raytrain_lm.trainer import faults
 def test_secret_looking_keys(key, secret):
     assert looks_secret(key) is secret
     assert (redact({key: "v"})[key] == REDACTED) is secret
-    assert redact({key: 2.0, "x": ""}) == {key: 2.0, "x": ""}  # only text is ever a secret
+    assert (redact({key: 918273})[key] == REDACTED) is secret  # numbers can be credentials
+    assert redact({key: "", "x": None, "flag": True}) == {key: "", "x": None, "flag": True}
 
 
 def test_giving_up_on_an_unreachable_store_is_one_user_error():

@@ -11,17 +11,24 @@ that row, so the user gets the one line that names the file or shard.
 
 from __future__ import annotations
 
+from raytrain_lm.console import DATASET_NAME_PREFIX, quiet_ray_data
+
 ERROR_COLUMN = "error"
 
 
 def ordered_dataset(items: list[dict], num_blocks: int):
     """`items` as a Ray Data dataset whose pipelines keep their blocks in input order (the
-    token stream follows the inputs; a worker's batches follow positions) and draw no
-    progress bars (`prepare` draws its own). The settings go on this dataset's own copy of
-    the context, so the caller's other Ray Data pipelines keep the process's settings."""
+    token stream follows the inputs; a worker's batches follow positions) and print nothing of
+    their own: no progress bars (`prepare` draws its own), no execution plan, no finish line
+    (see `console`). The settings go on this dataset's own copy of the context, so the
+    caller's other Ray Data pipelines keep the process's settings; the dataset is named
+    `raytrain_lm` (in Ray Data's logs and dashboard)."""
     import ray.data
 
+    quiet_ray_data()
     dataset = ray.data.from_items(items, override_num_blocks=num_blocks)
+    dataset.set_name(DATASET_NAME_PREFIX)
     dataset.context.execution_options.preserve_order = True
     dataset.context.enable_progress_bars = False
+    dataset.context.print_on_execution_start = False
     return dataset

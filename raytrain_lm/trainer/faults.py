@@ -20,9 +20,9 @@
 And one diagnostic, which changes nothing:
 
 - `count-syncs`: each worker counts the host's reads of device values made by our code at
-  step (see SyncCounter), apart from those of the steps that log, evaluate or checkpoint;
-  rank 0 records both in the run's events (`host_syncs`). The hot path must count 0 at
-  every step: it never waits for the device.
+  step, and on CUDA every synchronization torch makes (see SyncCounter), apart from those of
+  the steps that log, evaluate or checkpoint; rank 0 records both in the run's events
+  (`host_syncs`). The hot path must count 0 at every step: it never waits for the device.
 """
 
 from __future__ import annotations
@@ -130,23 +130,37 @@ def simulate_device(model, fault: Fault | None, rank: int) -> None:
     model.register_forward_hook(after_forward)
 
 
+SYNC_WARNING = "called a synchronizing CUDA operation"  # torch.cuda.set_sync_debug_mode's
+
+
 class SyncCounter:
-    """Counts our code's reads of tensor values (`item`, `tolist`, `float(t)`, `int(t)`,
-    `bool(t)`): on a GPU each one makes the host wait for the device. Only calls made from
-    raytrain_lm's own modules are counted, not those inside PyTorch (a CPU optimizer reads
-    its step counter, a fused GPU one does not)."""
+    """Counts the host's waits for the device, in two ways.
+
+    - Our code's reads of tensor values (`item`, `tolist`, `float(t)`, `int(t)`, `bool(t)`):
+      only calls made from raytrain_lm's own modules, not those inside PyTorch (a CPU
+      optimizer reads its step counter, a fused GPU one does not).
+    - On CUDA, every synchronization torch itself makes (`torch.cuda.set_sync_debug_mode`:
+      stream synchronizations, device-to-host copies, `nonzero`, ...), wherever it comes
+      from, which the first cannot see; our reads are among them.
+    """
 
     METHODS = ("item", "tolist", "__float__", "__int__", "__bool__", "__index__")
 
-    def __init__(self) -> None:
+    def __init__(self, device=None) -> None:
         import torch
 
         self.per_step: dict[int, int] = {}  # step -> reads by the step and its cadence checks
         self.at_reads: dict[int, int] = {}  # step -> reads by its logging, eval, checkpoint
+        self.device_per_step: dict[int, int] = {}  # the same for torch's synchronizations
+        self.device_at_reads: dict[int, int] = {}
         self._count = 0
+        self._device_count = 0
         for name in self.METHODS:
             original = getattr(torch.Tensor, name)
             setattr(torch.Tensor, name, self._counting(original))
+        self.counts_device = device is not None and device.type == "cuda"
+        if self.counts_device:
+            self._watch_device_syncs(torch)
 
     def _counting(self, original):
         import sys
@@ -159,23 +173,53 @@ class SyncCounter:
 
         return read
 
+    def _watch_device_syncs(self, torch) -> None:
+        """torch warns at every synchronization from here on; the warnings are counted and
+        not shown (any other warning is shown as before)."""
+        import warnings
+
+        warnings.filterwarnings("always", message=SYNC_WARNING)  # not once per source line
+        shown = warnings.showwarning
+
+        def show(message, category, filename, lineno, file=None, line=None):
+            if SYNC_WARNING in str(message):
+                self._device_count += 1
+            else:
+                shown(message, category, filename, lineno, file, line)
+
+        warnings.showwarning = show
+        torch.cuda.set_sync_debug_mode("warn")
+
     def close_step(self, step: int) -> None:
-        """The reads since the last close were made by `step`'s own work."""
-        self.per_step[step] = self._count
-        self._count = 0
+        """The waits since the last close were made by `step`'s own work."""
+        self.per_step[step], self.device_per_step[step] = self._take()
 
     def reset(self) -> None:
-        self._count = 0
+        self._take()
 
     def close_read(self, step: int) -> None:
-        """The reads since the last close were made by `step`'s read of the pending steps
+        """The waits since the last close were made by `step`'s read of the pending steps
         and what followed it (expected: that is where values are read)."""
-        self.at_reads[step] = self._count
-        self._count = 0
+        self.at_reads[step], self.device_at_reads[step] = self._take()
+
+    def _take(self) -> tuple[int, int]:
+        counts = self._count, self._device_count
+        self._count = self._device_count = 0
+        return counts
+
+    def summary(self) -> dict[str, dict[int, int]]:
+        """What a run records (`host_syncs` event): torch's counts only where it made them."""
+        found = {"per_step": self.per_step, "at_reads": self.at_reads}
+        if self.counts_device:
+            found |= {
+                "device_per_step": self.device_per_step,
+                "device_at_reads": self.device_at_reads,
+            }
+        return found
 
 
-def sync_counter(fault: Fault | None) -> SyncCounter | None:
-    """With `count-syncs`, a counter installed in this process (a worker)."""
+def sync_counter(fault: Fault | None, device=None) -> SyncCounter | None:
+    """With `count-syncs`, a counter installed in this process (a worker on `device`)."""
     if fault is None or fault.point != "count-syncs":
         return None
-    return SyncCounter()
+    return SyncCounter(device)

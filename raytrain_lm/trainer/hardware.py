@@ -9,11 +9,22 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-# Dense bf16 tensor-core peaks (no sparsity), FLOP/s.
+# Dense bf16 tensor-core peaks (no sparsity), FLOP/s, from the vendors' data sheets. Keys are
+# matched against CUDA/ROCm device names ("NVIDIA H100 PCIe", "AMD Instinct MI300X") and Ray
+# accelerator types ("H100", "AMD-Instinct-MI300X-OAM") by `by_accelerator_type`: the longest
+# key a name contains wins, so a form factor's own entry ("H100 PCIE") beats the family's.
 GPU_PEAK_FLOPS = {
     "B200": 2250e12,
     "H200": 989e12,
-    "H100": 989e12,
+    "H200 NVL": 835e12,
+    "H100": 989e12,  # SXM (Ray's type "H100" names no form factor)
+    "H100 NVL": 835e12,
+    "H100 PCIE": 756e12,
+    "H800": 989e12,
+    "H800 PCIE": 756e12,
+    "MI300X": 1307e12,
+    "MI325X": 1307e12,
+    "MI250X": 383e12,
     "A100": 312e12,
     "L40S": 362e12,
     "L40": 181e12,
@@ -65,9 +76,11 @@ def mfu(flops_per_token: float, tokens_per_s_per_device: float, device: torch.de
 
 
 def use_bf16(device: torch.device, precision: str) -> bool:
-    if precision == "fp32":
+    """bf16 autocast where the GPU computes in bf16 natively (Ampere and newer). Older GPUs
+    (V100, T4) emulate it, slower than fp32: there only an explicit `bf16` turns it on."""
+    if precision == "fp32" or device.type != "cuda":
         return False
-    return device.type == "cuda" and torch.cuda.is_bf16_supported()
+    return torch.cuda.is_bf16_supported(including_emulation=precision == "bf16")
 
 
 def use_compile(device: torch.device, setting: bool | str) -> bool:

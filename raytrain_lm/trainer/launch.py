@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from raytrain_lm.config import RunConfig, flatten, to_yaml
+from raytrain_lm.config import RunConfig, flatten, read_written_config, to_yaml
 from raytrain_lm.data.checks import check_data_matches_model, check_inputs
 from raytrain_lm.data.manifest import verify_shards
 from raytrain_lm.data.prepare import prepare
@@ -298,7 +298,7 @@ def _check_resume_compatible(
     saved_tree = yaml.safe_load(saved_text)
     with contextlib.suppress(ValueError):
         # Runs saved before paths were resolved on the driver name them relatively.
-        saved_tree = yaml.safe_load(to_yaml(RunConfig.model_validate(saved_tree).resolved()))
+        saved_tree = yaml.safe_load(to_yaml(read_written_config(saved_tree).resolved()))
     saved = flatten(saved_tree)
     current = flatten(yaml.safe_load(to_yaml(cfg)))  # secrets hidden, as in the saved file
     for key, value in current.items():

@@ -2,7 +2,7 @@
 (Ray's own pattern: restore first, then step, then report).
 
 This module is the only one that calls Ray Train's per-worker API (`ray.train.get_context`,
-`get_checkpoint`, `report`, `get_preemption_info`, `ray.train.torch.prepare_model`), beside
+`get_checkpoint`, `report`, `get_preemption_info`, `ray.train.torch.get_device`), beside
 `eval_loop.py`, the worker function of `raytrain-lm eval` (context and device only). What it
 drives is plain PyTorch and files: one optimizer step (step.py), validation (evaluation.py),
 checkpoint contents (checkpoint.py), the stop and preemption protocol (signals.py), goodput
@@ -52,14 +52,11 @@ from raytrain_lm.trainer.cadence import Every
 from raytrain_lm.trainer.callbacks import alive_node_ids
 from raytrain_lm.trainer.checkpoint import (
     TrainState,
-    load_checkpoint,
     prune_checkpoints,
-    read_state,
-    restore_newest,
     save_checkpoint,
     upload_checkpoint,
 )
-from raytrain_lm.trainer.collectives import FlagChannel, all_reduce
+from raytrain_lm.trainer.collectives import FlagChannel, all_reduce, pin_gloo_interface
 from raytrain_lm.trainer.evaluation import Evaluator
 from raytrain_lm.trainer.goodput import (
     Heartbeat,
@@ -73,12 +70,14 @@ from raytrain_lm.trainer.parallel import (
     check_fits,
     choose_strategy,
     device_memory_bytes,
+    replicate_model,
     shard_model,
 )
 from raytrain_lm.trainer.pending import Interval, PendingSteps
 from raytrain_lm.trainer.plan import BatchPlan, end_step, learning_rate
 from raytrain_lm.trainer.progress import ProgressBar
 from raytrain_lm.trainer.recompute import apply_activation_checkpointing
+from raytrain_lm.trainer.restore import restore_group
 from raytrain_lm.trainer.spec import WorkerSpec
 from raytrain_lm.trainer.step import StepParts, step_seed, train_step
 from raytrain_lm.trainer.storage_checks import check_worker_sees
@@ -92,6 +91,7 @@ def train_loop_per_worker(spec: WorkerSpec) -> None:
     t_start = time.time()
     _quiet_ray_train_info_logs()
     context = ray.train.get_context()
+    pin_gloo_interface(ray.util.get_node_ip_address())  # before any gloo group (the flags')
     check_worker_sees(str(spec.run_dir), spec.data_dir, spec.config.output_dir)
     worker = Worker(spec, context.get_world_rank(), context.get_world_size(), t_start)
     worker.restore(ray.train.get_checkpoint())
@@ -150,7 +150,7 @@ class Worker:
         self.watchdog = StepWatchdog(cfg.fault.step_timeout_s)
         self.flag_channel = FlagChannel(self.device, cfg.fault.collective_timeout_s)
         self.pending = PendingSteps(world)
-        self.sync_counter = faults.sync_counter(spec.fault)
+        self.sync_counter = faults.sync_counter(spec.fault, self.device)
         self.clock = ForwardClock(self.device) if cfg.scaling.balance == "auto" else None
         faults.simulate_device(self.model, spec.fault, rank)
         self.pacer = faults.Pacer(spec.fault, self.run_dir)
@@ -210,39 +210,21 @@ class Worker:
     # ------------------------------------------------------------------------------ restore
 
     def restore(self, offered) -> None:
-        """Loads the newest checkpoint that verifies and loads. Rank 0 chooses (hashing each
-        file once) and every rank loads its choice, so all ranks start from the same step.
-        A sharded checkpoint is loaded by all ranks together, each reading what its shards
-        need, so rank 0 only verifies it."""
+        """Loads the newest checkpoint that verifies and loads, the same on every rank
+        (restore.py)."""
         candidates: list[str] = list(self.run_dir.checkpoint_folders())
         if offered is not None and not self.run_dir.remote and Path(offered.path).is_dir():
             candidates.append(offered.path)  # normally one of the run directory's own
-        chosen: list[str | None] = [None]
-        if self.is_chief:
-            found = restore_newest(
-                candidates,
-                self.model,
-                self.optimizer,
-                self.device,
-                load=read_state if self.sharded else None,
-            )
-            if found is not None:
-                chosen[0], self.state = str(found[0]), found[1]
-                if self.state.strategy != self.strategy:
-                    raise UserError(
-                        f"checkpoint {found[0]} was written with parallel.strategy="
-                        f"{self.state.strategy}; this run uses {self.strategy}"
-                    )
-        if dist.is_initialized() and self.world > 1:
-            dist.broadcast_object_list(chosen, src=0)
-        if chosen[0] is not None:
-            if self.sharded:
-                from raytrain_lm.trainer.sharded import load_sharded_checkpoint
-
-                self.state = load_sharded_checkpoint(chosen[0], self.model, self.optimizer)
-            elif not self.is_chief:
-                self.state = load_checkpoint(chosen[0], self.model, self.optimizer, self.device)
-        if chosen[0] is None and self.spec.expect_checkpoint:
+        restored, self.state = restore_group(
+            candidates,
+            self.model,
+            self.optimizer,
+            self.device,
+            self.rank,
+            self.strategy,
+            self.cfg.checkpoint.restore_wait_s,
+        )
+        if restored is None and self.spec.expect_checkpoint:
             raise UserError(
                 f"run '{self.cfg.name}' has checkpoints in {self.run_dir} but none can be "
                 "restored; refusing to start from step 0 (remove the run directory to start "
@@ -353,8 +335,7 @@ class Worker:
             self.heartbeats.close(self._beat())
         self.watchdog.stop()
         if self.sync_counter is not None and self.is_chief:
-            counter = self.sync_counter
-            self._event("host_syncs", per_step=counter.per_step, at_reads=counter.at_reads)
+            self._event("host_syncs", **self.sync_counter.summary())
         self.tracker.flush()
 
     def _take_step(self, parts: StepParts, batches) -> None:
@@ -493,7 +474,7 @@ class Worker:
     def _step_parts(self) -> StepParts:
         model = self.model
         if not self.sharded:  # sharded: compiled per block and wrapped in place already
-            model = ray.train.torch.prepare_model(model, move_to_device=False)
+            model = replicate_model(model, self.device, self.world)
             if self.compile:  # around DDP, so that gradient buckets overlap the backward
                 model = torch.compile(model)
         return StepParts(

@@ -9,6 +9,7 @@ it only when DDP's persistent state would not fit on one device (see `choose_str
 
 from __future__ import annotations
 
+import inspect
 import os
 from dataclasses import dataclass
 
@@ -116,6 +117,25 @@ def shard_model(
             reshard_after_forward=reshard_after_forward and i < last,
         )
     fully_shard(model, mesh=mesh, mp_policy=precision, reshard_after_forward=reshard_after_forward)
+
+
+def replicate_model(model: torch.nn.Module, device: torch.device, world: int) -> torch.nn.Module:
+    """DDP over `world` workers (the model itself on one). Buffers are not broadcast from rank
+    0 before every step's first forward: the only ones are llama's RoPE tables, computed alike
+    on every rank and never changed, and the broadcast would wait inside the forward that
+    `scaling.balance` times."""
+    if world <= 1:
+        return model
+    from torch.nn.parallel import DistributedDataParallel
+
+    device_ids = None
+    if device.type == "cuda":
+        device_ids = [device.index if device.index is not None else torch.cuda.current_device()]
+    # torch 2.13 renamed the setting (the old name warns); 2.6-2.12 know only the old one.
+    quiet = {"forward_sync_buffers": False}
+    if "forward_sync_buffers" not in inspect.signature(DistributedDataParallel).parameters:
+        quiet = {"broadcast_buffers": False}
+    return DistributedDataParallel(model, device_ids=device_ids, **quiet)
 
 
 def is_sharded(model: torch.nn.Module) -> bool:

@@ -37,7 +37,7 @@ class BatchPlan:
         g = cfg.global_batch_size
         shares = split_by_weight(g, weights or [1.0] * world_size)
         # Equal shares split evenly: RunConfig refuses a global batch that some allowed world
-        # size cannot split (config.py) unless the run balances its shares.
+        # size cannot split (config/run.py) unless the run balances its shares.
         assert weights is not None or len(set(shares)) == 1, (g, world_size)
         # Unset: passes as large as the equal split's, so that a fast rank's larger share
         # takes more passes rather than more activation memory than the run was sized for.

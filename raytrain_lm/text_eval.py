@@ -24,7 +24,7 @@ from typing import Any
 import yaml
 
 from raytrain_lm import storage
-from raytrain_lm.config import RunConfig
+from raytrain_lm.config import RunConfig, read_written_config
 from raytrain_lm.data.checks import check_inputs
 from raytrain_lm.data.manifest import verify_shards
 from raytrain_lm.data.prepare import prepare
@@ -66,7 +66,7 @@ def evaluate(
     if not storage.is_uri(checkpoint):  # workers run in folders of their own
         checkpoint = os.path.abspath(checkpoint)
     run_dir = RunDir(str(storage.Location(checkpoint).parent))
-    trained = RunConfig.model_validate(
+    trained = read_written_config(
         yaml.safe_load(storage.read_bytes(storage.join(checkpoint, CONFIG_FILE)))
     )
     tokenizer = tokenizer_from_json(

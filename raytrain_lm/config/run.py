@@ -1,0 +1,111 @@
+"""The whole tree. Checks that span sections (a global batch that every allowed world size can
+split, balancing against the parallel strategy) can only live here, as can `resolved`, which
+pins every path of every section on the driver.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from pydantic import Field, field_validator, model_validator
+
+from raytrain_lm.config.base import RUN_NAME_PATTERN, _Section, check_storage_location
+from raytrain_lm.config.data import DataConfig
+from raytrain_lm.config.fault import CheckpointConfig, FaultConfig
+from raytrain_lm.config.model import ModelConfig
+from raytrain_lm.config.scaling import ScalingConfig
+from raytrain_lm.config.tracking import TrackingConfig
+from raytrain_lm.config.training import OptimConfig, ParallelConfig, TrainingConfig
+
+BALANCE_AUTO_UNDER_FSDP = (
+    "scaling.balance=auto times each rank's forward passes, which under FSDP wait on the "
+    "other ranks' all-gathers; use parallel.strategy=ddp, or weights by type such as "
+    "scaling.balance={A100: 3, L4: 1}"
+)
+
+
+class RunConfig(_Section):
+    name: str = Field("demo", pattern=RUN_NAME_PATTERN)
+    output_dir: str = Field("runs", description="where runs go (a path or a bucket URI)")
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    training: TrainingConfig = Field(default_factory=TrainingConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    scaling: ScalingConfig = Field(default_factory=ScalingConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    fault: FaultConfig = Field(default_factory=FaultConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+
+    def resolved(self, base_dir: str | Path | None = None) -> RunConfig:
+        """A copy in which every local path is absolute, taken relative to `base_dir` (default:
+        the working directory), and `tracking.uri` names the store the run will use (see
+        `TrackingConfig.store_uri`). URIs (`s3://...`) and `builtin:` corpora are kept as given.
+
+        Ray Train workers, Tune trials and job drivers run in working directories of their own
+        (under Ray's session folder): resolving once, on the driver, makes them all read and
+        write the files the user named, and never consult the environment for the store."""
+        from raytrain_lm.storage import is_uri  # pyarrow: too heavy for every import
+
+        base = os.path.abspath(base_dir if base_dir is not None else os.getcwd())
+
+        def absolute(path: str) -> str:
+            if path.startswith("file://"):
+                path = path.removeprefix("file://")
+            if is_uri(path) or path.startswith("builtin:"):
+                return path
+            return os.path.normpath(os.path.join(base, os.path.expanduser(path)))
+
+        cfg = self.model_copy(deep=True)
+        cfg.output_dir = absolute(cfg.output_dir)
+        data = cfg.data
+        data.sources = [absolute(source) for source in data.sources]
+        data.cache_dir = absolute(data.cache_dir)
+        if data.prepared:
+            data.prepared = absolute(data.prepared)
+        if data.tokenizer.path:
+            data.tokenizer.path = absolute(data.tokenizer.path)
+        if cfg.model.init_from:
+            cfg.model.init_from = absolute(cfg.model.init_from)
+        if cfg.tracking.enabled:
+            cfg.tracking.uri = cfg.tracking.store_uri(base)
+        return cfg
+
+    @field_validator("output_dir")
+    @classmethod
+    def _output_location(cls, value: str) -> str:
+        return check_storage_location(value)
+
+    @model_validator(mode="after")
+    def _batch_fits_workers(self) -> RunConfig:
+        # The global batch never changes with the world size, so it must split evenly at
+        # every size an elastic run may take: refuse up front, not at the first resize.
+        # Balanced shares are uneven anyway: one sequence per rank is all they need.
+        micro = self.training.micro_batch_size
+        if self.scaling.balance != "none":
+            if self.training.global_batch_size < self.scaling.max_size:
+                raise ValueError(
+                    f"training.global_batch_size ({self.training.global_batch_size}) gives "
+                    f"fewer than one sequence to each of up to {self.scaling.max_size} workers"
+                )
+            if self.scaling.balance == "auto" and self.parallel.strategy == "fsdp":
+                raise ValueError(BALANCE_AUTO_UNDER_FSDP)
+            return self
+        for world in self.scaling.world_sizes:
+            unit = world * (micro or 1)
+            if self.training.global_batch_size % unit:
+                if self.scaling.elastic:
+                    what = (
+                        f"world size {world} (the run may use {self.scaling.min_size} to "
+                        f"{self.scaling.max_size} workers)"
+                    )
+                else:
+                    what = f"scaling.num_workers ({world})"
+                if micro:
+                    what += f" x training.micro_batch_size ({micro})"
+                raise ValueError(
+                    f"training.global_batch_size ({self.training.global_batch_size}) "
+                    f"is not divisible by {what}"
+                )
+        return self
