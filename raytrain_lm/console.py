@@ -40,6 +40,17 @@ HARMLESS_ACTOR_ARGS = re.compile(
     r"core_worker\.cc:\d+: Actor with class name: '[^']*' and ID: '[0-9a-f]+' has constructor "
     r"arguments in the object store and max_restarts > 0\."
 )
+# A worker process that Ray shuts down while it is still creating an actor (a trial's or a
+# data stream's actors torn down as a run ends) finds its raylet connection closed and aborts
+# on a CHECK, printing a C++ stack trace that calls itself a Ray bug and blames a raylet
+# crash. Its run has finished by then; the lines of that one abort are dropped, nothing else.
+ACTOR_CREATION_ABORTED = re.compile(
+    r"Check failed: raylet_ipc_client_->ActorCreationTaskDone\(\) Status not OK: IOError: "
+    r"Broken pipe"
+)
+_STACK_FRAME = re.compile(
+    r"^\s*$|\*\*\* StackTrace Information \*\*\*|\(\+0x[0-9a-f]+\)|\) \[0x[0-9a-f]+\]"
+)
 _PRINT_LOGS = "ray_print_logs"  # the driver's handler of worker output (ray._private.worker)
 
 
@@ -112,10 +123,19 @@ def quiet_worker_output() -> None:
 def _dropping_harmless(handler):
     if getattr(handler, "drops_harmless_lines", False):
         return handler
+    aborted: set = set()  # processes whose actor-creation abort is being printed
 
     def handle(data: dict) -> None:
-        lines = data.get("lines") or []
-        kept = [line for line in lines if not HARMLESS_ACTOR_ARGS.search(line)]
+        lines, kept = data.get("lines") or [], []
+        pid = data.get("pid")
+        for line in lines:
+            if ACTOR_CREATION_ABORTED.search(line):
+                aborted.add(pid)
+            elif pid in aborted and _STACK_FRAME.search(line):
+                continue  # that abort's stack trace
+            elif not HARMLESS_ACTOR_ARGS.search(line):
+                aborted.discard(pid)
+                kept.append(line)
         if kept or not lines:
             handler({**data, "lines": kept})
 

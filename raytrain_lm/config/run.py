@@ -14,6 +14,7 @@ from raytrain_lm.config.base import RUN_NAME_PATTERN, _Section, check_storage_lo
 from raytrain_lm.config.data import DataConfig
 from raytrain_lm.config.fault import CheckpointConfig, FaultConfig
 from raytrain_lm.config.model import ModelConfig
+from raytrain_lm.config.replicas import ReplicasConfig
 from raytrain_lm.config.scaling import ScalingConfig
 from raytrain_lm.config.tracking import TrackingConfig
 from raytrain_lm.config.training import OptimConfig, ParallelConfig, TrainingConfig
@@ -34,6 +35,7 @@ class RunConfig(_Section):
     training: TrainingConfig = Field(default_factory=TrainingConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     scaling: ScalingConfig = Field(default_factory=ScalingConfig)
+    replicas: ReplicasConfig = Field(default_factory=ReplicasConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     fault: FaultConfig = Field(default_factory=FaultConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
@@ -83,6 +85,9 @@ class RunConfig(_Section):
         # every size an elastic run may take: refuse up front, not at the first resize.
         # Balanced shares are uneven anyway: one sequence per rank is all they need.
         micro = self.training.micro_batch_size
+        if self.scaling.fault_tolerance == "replicas":
+            self._replicas_fit()
+            return self
         if self.scaling.balance != "none":
             if self.training.global_batch_size < self.scaling.max_size:
                 raise ValueError(
@@ -109,3 +114,22 @@ class RunConfig(_Section):
                     f"is not divisible by {what}"
                 )
         return self
+
+    def _replicas_fit(self) -> None:
+        """Replica groups split each step over whoever takes part (any count from min_workers
+        to max_workers, evenly or not), each holding the whole model."""
+        if self.training.global_batch_size < self.scaling.max_size:
+            raise ValueError(
+                f"training.global_batch_size ({self.training.global_batch_size}) gives fewer "
+                f"than one sequence to each of up to {self.scaling.max_size} replica groups"
+            )
+        if self.parallel.strategy == "fsdp":
+            raise ValueError(
+                "scaling.fault_tolerance=replicas keeps a whole model in every group: use "
+                "parallel.strategy=ddp (sharding inside a group comes with hybrid sharding)"
+            )
+        if self.scaling.balance == "auto":
+            raise ValueError(
+                "scaling.balance=auto measures a fixed group of ranks; with "
+                "scaling.fault_tolerance=replicas give weights by type, e.g. {A100: 3, L4: 1}"
+            )

@@ -53,6 +53,12 @@ class ScalingConfig(_Section):
         description="balance: auto re-plans at a checkpoint when the slowest rank's forward "
         "time per step exceeds the mean by more than this fraction",
     )
+    fault_tolerance: Literal["restart", "replicas"] = Field(
+        "restart",
+        description="restart: a lost node, spot notice or new capacity restarts the worker "
+        "group from its last checkpoint; replicas: each worker is a replica group (torchft), "
+        "the others go on stepping and a new group heals from a live peer (docs/elastic.md)",
+    )
     resize_check_s: float = Field(
         60.0, gt=0.0, description="elastic runs: how often to look for room to grow"
     )

@@ -9,6 +9,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from raytrain_lm.config import RunConfig
+
+HEARTBEAT_EVERY_S = 0.5
+
 
 @dataclass
 class Every:
@@ -29,3 +33,34 @@ class Every:
             self._last_time = time.monotonic()
             return True
         return False
+
+
+@dataclass(frozen=True)
+class Flags:
+    ask: bool  # rank 0's clock says: ask Ray whether one of our nodes is being drained
+    stop: bool  # the driver asked the run to stop
+
+    @property
+    def raised(self) -> bool:
+        return self.ask or self.stop
+
+
+@dataclass(frozen=True)
+class Cadences:
+    """When each periodic part of the loop runs: all of them, in one place."""
+
+    heartbeat: Every  # rank 0's liveness record for goodput (seconds)
+    signals: Every  # rank 0 looks for a stop request and asks about preemption (seconds)
+    log: Every  # progress line and live goodput metrics (steps); step metrics: every step
+    eval: Every  # validation loss (steps, and the last step)
+    checkpoint: Every  # checkpoint + report to Ray Train (steps, and the last step)
+
+    @classmethod
+    def of(cls, cfg: RunConfig) -> Cadences:
+        return cls(
+            heartbeat=Every(seconds=HEARTBEAT_EVERY_S),
+            signals=Every(seconds=cfg.fault.preemption_check_s),
+            log=Every(steps=cfg.training.log_every, at_end=True),
+            eval=Every(steps=cfg.training.eval_every, at_end=True),
+            checkpoint=Every(steps=cfg.checkpoint.every_steps, at_end=True),
+        )

@@ -17,6 +17,7 @@ from ray.train import UserCallback
 
 from raytrain_lm.trainer.capacity import refresh_capacity_view
 from raytrain_lm.trainer.goodput import append_event, read_events
+from raytrain_lm.trainer.signals import REPLICAS_DONE
 
 logger = logging.getLogger(__name__)
 
@@ -82,3 +83,41 @@ class FailureEvents(UserCallback):
                 refresh_capacity_view()
                 return
             time.sleep(0.25)
+
+
+class EndAfterReplicasDone(UserCallback):
+    """Replica groups: ends Ray Train's controller once the groups are done, if it is still
+    waiting then.
+
+    Ray Train 2.60 replaces a lost replica group in its old placement-group slot and waits for
+    that, without a timeout, inside its control loop. When the lost node's capacity never
+    comes back, the run can finish (the survivors reached the end, or stopped, with their
+    checkpoint) while the controller still waits for a group nobody needs. A thread in the
+    controller's process watches the run's events: `grace_s` after the chief's
+    `replicas_done`, it ends the controller (`ray.kill`), and the driver, which finds the
+    run's checkpoint there, carries on (launch.py)."""
+
+    def __init__(self, run_dir: str, grace_s: float):
+        self.run_dir, self.grace_s = run_dir, grace_s
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # Unpickled in the controller's process, the one place it can end the controller.
+        self.__dict__.update(state)
+        import threading
+
+        threading.Thread(target=self._watch, name="replicas-done", daemon=True).start()
+
+    def _watch(self) -> None:
+        import ray
+
+        started = time.time()
+        while True:
+            time.sleep(1.0)
+            done = [
+                e for e in read_events(self.run_dir)
+                if e["event"] == REPLICAS_DONE and e["t"] >= started
+            ]  # fmt: skip
+            if done and time.time() - done[0]["t"] > self.grace_s:
+                append_event(self.run_dir, "controller_ended", waited_s=self.grace_s)
+                ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+                return

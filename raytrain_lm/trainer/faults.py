@@ -17,6 +17,12 @@
   faster ones (scaling.balance's test and benchmark). Unlike the real work on these shared
   CPU cores, the simulated time does not change with the machine's load.
 
+- `kill-while-healing:step=20:rank=1`: a replica group (scaling.fault_tolerance=replicas)
+  kills its own process while it loads the state a peer sent it, the first time that state
+  is at `step` or later (once per group; any group without `rank`).
+
+Several at once are joined with `+`: `slow-steps:seconds=0.1+kill-while-healing`.
+
 And one diagnostic, which changes nothing:
 
 - `count-syncs`: each worker counts the host's reads of device values made by our code at
@@ -49,9 +55,23 @@ class Fault:
     factor: float = 1.0  # device-time: how much slower the named rank is
 
 
-def parse(spec: str | None) -> Fault | None:
+class Faults(tuple):
+    """Several faults at once: `slow-steps:seconds=0.1+kill-while-healing:rank=1`."""
+
+
+def find(fault: Fault | Faults | None, point: str) -> Fault | None:
+    """The fault at `point` among those given, if any."""
+    for one in fault if isinstance(fault, Faults) else (fault,):
+        if one is not None and one.point == point:
+            return one
+    return None
+
+
+def parse(spec: str | None) -> Fault | Faults | None:
     if not spec:
         return None
+    if "+" in spec:
+        return Faults(parse(part) for part in spec.split("+"))
     point, *rest = spec.split(":")
     fields = dict(part.split("=", 1) for part in rest)
     return Fault(
@@ -67,13 +87,17 @@ def from_environment() -> Fault | None:
     return parse(os.environ.get(ENV_VAR))
 
 
-def targets(fault: Fault | None, point: str, step: int) -> bool:
+def targets(fault: Fault | Faults | None, point: str, step: int) -> bool:
     """Whether `fault` fires at `point` of `step` (on some rank)."""
-    return fault is not None and fault.point == point and fault.step in (None, step)
+    fault = find(fault, point)
+    return fault is not None and fault.step in (None, step)
 
 
-def maybe_fire(fault: Fault | None, point: str, step: int, rank: int, run_dir: RunDir) -> None:
-    if fault is None or fault.point != point:
+def maybe_fire(
+    fault: Fault | Faults | None, point: str, step: int | None, rank: int, run_dir: RunDir
+) -> None:
+    fault = find(fault, point)
+    if fault is None:
         return
     if fault.step not in (None, step) or fault.rank not in (None, rank):
         return
@@ -90,7 +114,8 @@ class Pacer:
     other, as any rank's pace is the group's)."""
 
     def __init__(self, fault: Fault | None, run_dir: RunDir):
-        self.seconds = fault.seconds if fault is not None and fault.point == "slow-steps" else 0.0
+        fault = find(fault, "slow-steps")
+        self.seconds = fault.seconds if fault is not None else 0.0
         self.run_dir = run_dir
         self._next_check = 0.0
 
@@ -114,7 +139,8 @@ def stop_pacing(run_dir: RunDir | str | Path) -> None:
 def simulate_device(model, fault: Fault | None, rank: int) -> None:
     """With `device-time`, makes `model`'s forward, and the backward of its loss, take the
     simulated device's time per sequence on this rank."""
-    if fault is None or fault.point != "device-time":
+    fault = find(fault, "device-time")
+    if fault is None:
         return
     import torch
 
@@ -220,6 +246,6 @@ class SyncCounter:
 
 def sync_counter(fault: Fault | None, device=None) -> SyncCounter | None:
     """With `count-syncs`, a counter installed in this process (a worker on `device`)."""
-    if fault is None or fault.point != "count-syncs":
+    if find(fault, "count-syncs") is None:
         return None
     return SyncCounter(device)

@@ -14,6 +14,9 @@ previous one lost:
 - `first_step` (rank 0): the group's first optimizer step finished.
 - `preemption` (rank 0): a node was being drained; a just-in-time checkpoint was written.
 - `segment_end` (rank 0 of the next group, from the heartbeat): how far a group got.
+- `replicas_changed` (each replica group, `scaling.fault_tolerance=replicas`): the number of
+  groups taking part changed at `step`; `gap_s` since the group's previous committed step is
+  the survivors' stall.
 
 Seconds lost to recovery: from the last progress of one group (or the start of the job that
 resumed it) to the first step of the next. Steps recomputed: how far the previous group got
@@ -128,6 +131,9 @@ class Goodput:
     recomputed_s: float = 0.0
     wall_s: float = 0.0  # worker groups' lifetimes plus recovery gaps
     cost: float = 0.0
+    replica_incidents: int = 0  # replica groups lost or drained while the others went on
+    replica_stall_s: float = 0.0  # the survivors' longest gap at each of them, summed
+    full_strength_s: float = 0.0  # from each incident until as many groups took part again
 
     @property
     def productive_ratio(self) -> float:
@@ -143,6 +149,12 @@ class Goodput:
             "goodput/productive_ratio": self.productive_ratio,
             "cost/total": self.cost,
         }
+        if self.replica_incidents:
+            out |= {
+                "goodput/replica_incidents": self.replica_incidents,
+                "goodput/replica_stall_s": self.replica_stall_s,
+                "goodput/full_strength_s": self.full_strength_s,
+            }
         if tokens:
             out["cost/per_million_tokens"] = self.cost / (tokens / 1e6)
         return out
@@ -215,4 +227,29 @@ def summarize(events: list[dict[str, Any]], now: float | None = None) -> Goodput
         g.cost += lifetime * start.get("price_per_hour", 0.0) / 3600.0
         if end is not None:
             g.step_s += end["step_seconds"]
+    _replica_incidents(g, events, now)
     return g
+
+
+def _replica_incidents(g: Goodput, events: list[dict[str, Any]], now: float | None) -> None:
+    """Incidents of replica groups: each step at which fewer groups took part than before
+    (every group records what it saw: one incident per step), its stall, and the time until
+    as many took part as before it."""
+    changes: dict[int, list[dict[str, Any]]] = {}
+    for e in events:
+        if e["event"] == "replicas_changed":
+            changes.setdefault(e["step"], []).append(e)
+    open_since: list[tuple[float, int]] = []  # (when, how many took part before)
+    for step in sorted(changes):
+        seen = changes[step]
+        first = min(seen, key=lambda e: e["t"])
+        if first["participants"] < first["previous"]:
+            g.replica_incidents += 1
+            g.replica_stall_s += max(e["gap_s"] for e in seen)
+            open_since.append((first["t"], first["previous"]))
+        restored = [(t, n) for t, n in open_since if first["participants"] >= n]
+        for t, n in restored:
+            g.full_strength_s += first["t"] - t
+            open_since.remove((t, n))
+    if now is not None:
+        g.full_strength_s += sum(now - t for t, _ in open_since)

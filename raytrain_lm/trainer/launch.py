@@ -192,7 +192,7 @@ def _train_until_done(spec: WorkerSpec, callbacks: list | None) -> bool:
             if reason == signals.STOP:
                 return True
             reached = latest_complete_checkpoint(run_dir)
-            if reason != signals.PREEMPTION or reached is None:
+            if reason not in (signals.PREEMPTION, signals.LIGHTHOUSE_LOST) or reached is None:
                 return False
             if read_state(reached).step >= end_step(cfg.training):
                 return False
@@ -208,7 +208,8 @@ def _train_until_done(spec: WorkerSpec, callbacks: list | None) -> bool:
             refresh_capacity_view()
             spec = replace(spec, expect_checkpoint=True)
             print(
-                f"[raytrain-lm] restarting after preemption at step {read_state(reached).step}",
+                f"[raytrain-lm] restarting after {reason.replace('_', ' ')} at step "
+                f"{read_state(reached).step}",
                 flush=True,
             )
 
@@ -347,10 +348,10 @@ def _fit(spec: WorkerSpec, callbacks: list | None = None) -> None:
     """One TorchTrainer.fit(): Ray Train retries failures within it, within the budgets."""
     from ray.train import CheckpointConfig, FailureConfig
     from ray.train import RunConfig as RayRunConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch import TorchTrainer
     from ray.train.v2.api.config import LoggingConfig
 
-    from raytrain_lm.trainer.callbacks import FailureEvents
+    from raytrain_lm.trainer.callbacks import EndAfterReplicasDone, FailureEvents
     from raytrain_lm.trainer.loop import train_loop_per_worker
 
     cfg, run_dir = spec.config, spec.run_dir
@@ -368,9 +369,7 @@ def _fit(spec: WorkerSpec, callbacks: list | None = None) -> None:
     run_dir.delete(RAY_TRAIN_SNAPSHOT)
     trainer = TorchTrainer(
         lambda: train_loop_per_worker(spec),
-        torch_config=TorchConfig(
-            backend="nccl" if gpu else "gloo", timeout_s=int(fault.collective_timeout_s)
-        ),
+        torch_config=_torch_config(cfg, gpu),
         scaling_config=_scaling(cfg, gpu),
         run_config=RayRunConfig(
             name=cfg.name,
@@ -383,16 +382,54 @@ def _fit(spec: WorkerSpec, callbacks: list | None = None) -> None:
             logging_config=LoggingConfig(log_level="WARNING"),
             callbacks=[
                 FailureEvents(str(run_dir), fault.node_loss_wait_s if cfg.scaling.elastic else 0.0),
+                *(
+                    [EndAfterReplicasDone(str(run_dir), grace_s=10 * fault.health_check_s + 5)]
+                    if cfg.scaling.fault_tolerance == "replicas"
+                    else []
+                ),
                 *(callbacks or []),
             ],
         ),
     )
+    started = time.time()
     try:
         run_interruptibly(trainer.fit)
+    except Exception:
+        if not _replicas_done_since(cfg, run_dir, started):
+            raise
+        print(
+            "[raytrain-lm] the replica groups are done; Ray Train's controller, still waiting "
+            "to replace a lost group, was ended",
+            flush=True,
+        )
     finally:
         # A run that ends cleanly has withdrawn its resource request already; one forced to
         # end (a second signal, a failure) would leave it to expire, and idle nodes with it.
         release_resource_requests(trainer.train_run_context.run_id)
+
+
+def _replicas_done_since(cfg: RunConfig, run_dir: RunDir, started: float) -> bool:
+    """Whether replica groups ended this invocation themselves (their chief's event), after
+    which a failing fit() is only its controller ended (callbacks.EndAfterReplicasDone)."""
+    return cfg.scaling.fault_tolerance == "replicas" and any(
+        e["event"] == signals.REPLICAS_DONE and e["t"] >= started for e in read_events(run_dir)
+    )
+
+
+def _torch_config(cfg: RunConfig, gpu: bool):
+    """Ray Train's process groups: one for the whole group (restart), or one per worker, each a
+    replica group of its own with torchft's Lighthouse on the head (replicas)."""
+    from ray.train.torch import TorchConfig
+
+    backend = "nccl" if gpu else "gloo"
+    timeout = int(cfg.fault.collective_timeout_s)
+    if cfg.scaling.fault_tolerance == "replicas":
+        from ray.train.v2.torch.torchft_config import TorchftConfig
+
+        from raytrain_lm.trainer.quorum import lighthouse_settings
+
+        return TorchftConfig(lighthouse_settings(cfg), backend=backend, timeout_s=timeout)
+    return TorchConfig(backend=backend, timeout_s=timeout)
 
 
 def _scaling(cfg: RunConfig, gpu: bool):
@@ -401,8 +438,11 @@ def _scaling(cfg: RunConfig, gpu: bool):
 
     scaling = cfg.scaling
     placement = worker_resources(scaling, gpu, ray.cluster_resources())
+    # Replica groups: Ray Train keeps max_workers groups (it replaces a lost one alone, as
+    # capacity allows); torchft's quorum trains on while at least min_workers take part.
+    elastic = scaling.elastic and scaling.fault_tolerance == "restart"
     return ScalingConfig(
-        num_workers=(scaling.min_size, scaling.max_size) if scaling.elastic else scaling.max_size,
+        num_workers=(scaling.min_size, scaling.max_size) if elastic else scaling.max_size,
         use_gpu=gpu,
         elastic_resize_monitor_interval_s=scaling.resize_check_s,
         **placement,
@@ -413,3 +453,5 @@ def default_ray_env() -> None:
     """Quiet, fast defaults for local runs; users can override any of them in the environment."""
     os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    # torchft's Lighthouse and managers (replica groups) log every quorum and vote at INFO.
+    os.environ.setdefault("RUST_LOG", "warn")

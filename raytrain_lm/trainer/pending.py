@@ -18,6 +18,8 @@ import torch
 
 from raytrain_lm.trainer.collectives import reduce_on_device
 
+WARMUP_STEPS = 3  # the first steps of a group pay for start-up: not counted in tokens/s
+
 
 @dataclass
 class Interval:
@@ -56,6 +58,22 @@ class PendingSteps:
     def __len__(self) -> int:
         return len(self._host)
 
+    def snapshot(self) -> list[tuple[int, float, float, dict[str, float]]]:
+        """The queued steps, values read (step, loss, grad norm, host metrics), for a replica
+        group that heals from this one and may log them in its place."""
+        losses = [float(t) for t in self._losses]
+        norms = [float(t) for t in self._norms]
+        return [
+            (step, loss, norm, dict(host))
+            for (step, host), loss, norm in zip(self._host, losses, norms, strict=True)
+        ]
+
+    def adopt(self, steps: list[tuple[int, float, float, dict[str, float]]], device) -> None:
+        """Queues the steps of a `snapshot` in place of whatever was queued."""
+        self._losses = [torch.tensor(loss, device=device) for _, loss, _, _ in steps]
+        self._norms = [torch.tensor(norm, device=device) for _, _, norm, _ in steps]
+        self._host = [(step, host) for step, _, _, host in steps]
+
     def elapsed(self) -> float:
         return time.perf_counter() - self._started
 
@@ -80,3 +98,31 @@ class PendingSteps:
         self._losses, self._norms, self._host, self._data_wait_s = [], [], [], 0.0
         self.restart_clock()
         return interval
+
+
+class Throughput:
+    """Tokens per second over this group's steps, leaving out the first few (start-up)."""
+
+    def __init__(self, first_step: int):
+        self.first_step = first_step
+        self.step_seconds = 0.0  # every step of this group, for goodput
+        self._steady_from = first_step
+        self._tokens, self._seconds = 0, 0.0
+        self._last = float("nan")
+
+    def add(self, step: int, seconds: float, tokens: int, steps: int = 1) -> None:
+        """An interval of `steps` steps ending at `step`."""
+        self.step_seconds += seconds
+        self._last = tokens / seconds
+        if step - steps >= self._steady_from + WARMUP_STEPS:
+            self._tokens += tokens
+            self._seconds += seconds
+
+    def restart_steady(self, step: int) -> None:
+        """From `step` on the group runs at another pace (a new batch plan): count that one."""
+        self._steady_from = step
+        self._tokens, self._seconds = 0, 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self._tokens / self._seconds if self._seconds else self._last

@@ -39,3 +39,10 @@ class ProgressBar:
         # The real stdout: Ray Train's patched print would echo the line twice once another
         # library (MLflow) has wrapped sys.stdout.
         print(" | ".join(parts), file=sys.__stdout__, flush=True)
+
+
+def announce(message: str, chief: bool = True) -> None:
+    # The real stdout: Ray Train's patched print would echo a line twice once another library
+    # (MLflow) has wrapped sys.stdout.
+    if chief:
+        print(f"[raytrain-lm] {message}", file=sys.__stdout__, flush=True)

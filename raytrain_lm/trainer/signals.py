@@ -21,6 +21,8 @@ from raytrain_lm.storage import filesystem
 
 PREEMPTION = "preemption"
 STOP = "stop"
+LIGHTHOUSE_LOST = "lighthouse_lost"  # replica groups ended for a new Lighthouse (a restart)
+REPLICAS_DONE = "replicas_done"  # replica groups' chief: the groups ended this invocation
 
 
 def request_stop(run_dir: RunDir, why: str) -> None:
@@ -42,12 +44,13 @@ def stop_requested(run_dir: RunDir) -> bool:
 
 
 def handoff_reason(events: list[dict[str, Any]]) -> str | None:
-    """Why the newest worker group ended itself (`preemption` or `stop`), or None if it did
-    not: it trained to the end of this invocation, or failed."""
+    """Why the newest worker group ended itself (`preemption`, `stop`, or replica groups'
+    `lighthouse_lost`), or None if it did not: it trained to the end of this invocation, or
+    failed."""
     reason = None
     for event in events:
         if event["event"] == "segment_start":
             reason = None
-        elif event["event"] in (PREEMPTION, STOP):
+        elif event["event"] in (PREEMPTION, STOP, LIGHTHOUSE_LOST):
             reason = event["event"]
     return reason

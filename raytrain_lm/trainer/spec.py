@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from raytrain_lm.config import RunConfig
 from raytrain_lm.rundir import RunDir
-from raytrain_lm.trainer.faults import Fault
+from raytrain_lm.trainer.faults import Fault, Faults
 
 
 @dataclass(frozen=True)
@@ -24,4 +24,4 @@ class WorkerSpec:
     expect_checkpoint: bool  # the run checkpointed before: starting at step 0 would be wrong
     read_cpus: float  # CPUs each Ray Data read task of this worker's stream asks for
     checkpoint_strategy: str | None = None  # the strategy its checkpoints were saved with
-    fault: Fault | None = None  # fault injection for chaos tests (trainer/faults.py)
+    fault: Fault | Faults | None = None  # fault injection for chaos tests (trainer/faults.py)

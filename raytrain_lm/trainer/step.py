@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -50,6 +50,7 @@ class StepResult:
     grad_norm: torch.Tensor
     positions: np.ndarray  # the global sequence positions this worker consumed
     data_wait_s: float  # time spent waiting for batches
+    committed: bool = True  # False: the update was not applied (a replica group's vote)
 
 
 def step_seed(seed: int, step: int, rank: int) -> int:
@@ -58,17 +59,27 @@ def step_seed(seed: int, step: int, rank: int) -> int:
 
 
 def train_step(
-    parts: StepParts, batches: Iterator[tuple[np.ndarray, np.ndarray]], lr: float
+    parts: StepParts,
+    batches: Iterator[tuple[np.ndarray, np.ndarray]],
+    lr: float,
+    commit: Callable[[], bool] | None = None,
 ) -> StepResult:
     """`batches` yields this rank's share of each step at once: (positions, tokens[share,
-    seq_len + 1])."""
-    for group in parts.optimizer.param_groups:
-        group["lr"] = lr
-    plan = parts.plan
+    seq_len + 1]). `commit` (replica groups) is asked, once the gradients are reduced,
+    whether to apply the update."""
     waited = time.perf_counter()
     positions, tokens = next(batches)
     data_wait = time.perf_counter() - waited
     positions = positions.copy()  # a view would pin its Ray Data block
+    loss = accumulate_gradients(parts, tokens)
+    grad_norm, committed = apply_update(parts, lr, commit)
+    return StepResult(loss, grad_norm, positions, data_wait, committed)
+
+
+def accumulate_gradients(parts: StepParts, tokens: np.ndarray) -> torch.Tensor:
+    """Forward and backward of this rank's share `tokens` in its passes; returns its part
+    of the global mean loss (on the device, not read)."""
+    plan = parts.plan
     sizes = plan.pass_sizes(parts.rank)
     loss_sum = torch.zeros((), device=parts.device)
     first = 0
@@ -91,10 +102,22 @@ def train_step(
                 parts.clock.stop(size)
             (loss * weight).backward()
         loss_sum += loss.detach() * (size / plan.global_batch)
+    return loss_sum
+
+
+def apply_update(
+    parts: StepParts, lr: float, commit: Callable[[], bool] | None = None
+) -> tuple[torch.Tensor, bool]:
+    """Clips the reduced gradients and steps the optimizer (unless `commit` says no);
+    returns the gradient norm and whether the update was applied."""
     clip = parts.grad_clip if parts.grad_clip > 0 else float("inf")
     grad_norm = torch.nn.utils.clip_grad_norm_(parts.raw_model.parameters(), clip)
     if hasattr(grad_norm, "full_tensor"):  # a DTensor (sharded gradients): over all shards
         grad_norm = grad_norm.full_tensor()
-    parts.optimizer.step()
+    committed = commit is None or commit()
+    if committed:
+        for group in parts.optimizer.param_groups:
+            group["lr"] = lr
+        parts.optimizer.step()
     parts.optimizer.zero_grad(set_to_none=True)
-    return StepResult(loss_sum, grad_norm, positions, data_wait)
+    return grad_norm, committed

@@ -1,0 +1,189 @@
+"""`scaling.fault_tolerance`: restart against replicas, side by side on one local multi-node Ray
+(a head and single-slot worker nodes, raytrain_lm.clusters.multinode), in one script.
+
+For each mode, the same seeded incident schedule on a 2-worker run (min 1, max 2) whose steps
+are paced to `--step-s`: a node killed at `--kill-at` s into training, a node added `--add-after`
+s later, and a spot notice (drain) on a node `--drain-after` s after that. Per incident:
+- the survivors' stall: the longest gap between two of the surviving worker's steps around it
+  (restart: the survivor restarts too, so from its last step before to its first after);
+- the time back to full strength: from the incident until two workers train again;
+- worker-seconds lost: the survivors' stall plus, under restart, the steps recomputed
+  (steps since the last checkpoint, times the step time, times the workers).
+Then, without incidents, tokens/s of the two modes over `--steps` unpaced steps, alternating.
+
+    .venv/bin/python benchmarks/replicas_vs_restart.py --rounds 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+os.environ.setdefault("RUST_LOG", "warn")
+
+import raytrain_lm  # noqa: E402
+from raytrain_lm.clusters.multinode import (  # noqa: E402
+    TINY_MODEL,
+    Background,
+    LocalCluster,
+    wait_for_event,
+)
+from raytrain_lm.config import load_config  # noqa: E402
+from raytrain_lm.trainer import faults  # noqa: E402
+from raytrain_lm.trainer.goodput import read_events  # noqa: E402
+
+BATCH = 12
+
+
+def common(cluster: LocalCluster, workdir: Path, mode: str) -> list[str]:
+    return [
+        *TINY_MODEL,
+        *cluster.overrides(),
+        f"output_dir={workdir / 'runs'}",
+        f"data.cache_dir={workdir / 'data'}",
+        "tracking.enabled=false",
+        f"training.global_batch_size={BATCH}",
+        "training.eval_every=100000",
+        "training.precision=fp32",
+        "checkpoint.every_steps=50",
+        "data.shuffle_window_shards=1",
+        "fault.health_check_s=0.25",
+        "fault.max_failures=-1",
+        f"scaling.fault_tolerance={mode}",
+        "scaling.min_workers=1",
+        "scaling.max_workers=2",
+    ]
+
+
+def incident_run(cluster: LocalCluster, workdir: Path, mode: str, args) -> dict:
+    """One run under the incident schedule; the times of what happened, from its events."""
+    name = f"incidents-{mode}"
+    run_dir = workdir / "runs" / name
+    overrides = [
+        *common(cluster, workdir, mode),
+        f"name={name}",
+        f"training.max_steps={args.max_steps}",
+    ]
+    os.environ[faults.ENV_VAR] = f"slow-steps:seconds={args.step_s}"
+    run = Background(lambda: raytrain_lm.train(load_config(None, overrides), sample=False))
+    first = wait_for_event(
+        run_dir, lambda e: e["event"] in ("first_step", "replicas_changed"), 600, still_running=run
+    )
+    time.sleep(args.kill_at)
+    times = {"kill": time.time()}
+    cluster.kill_node()
+    time.sleep(args.add_after)
+    times["add"] = time.time()
+    cluster.add_node()
+    time.sleep(args.drain_after)
+    times["drain"] = time.time()
+    cluster.drain_node(deadline_s=120)
+    summary = run.wait(900)
+    del os.environ[faults.ENV_VAR]
+    events = read_events(run_dir)
+    return {"mode": mode, "summary": summary, "times": times, "events": events, "t0": first["t"]}
+
+
+def measure(result: dict, step_s: float) -> dict:
+    """Per incident: stall, time to full strength, worker-seconds lost."""
+    events, times, mode = result["events"], result["times"], result["mode"]
+    out = {}
+    for incident in ("kill", "drain"):
+        t = times[incident]
+        if mode == "replicas":
+            after = [e for e in events if e["event"] == "replicas_changed" and e["t"] >= t]
+            drop = next((e for e in after if e["participants"] < e["previous"]), None)
+            back = next(
+                (e for e in after if drop and e["t"] > drop["t"] and e["participants"] == 2), None
+            )
+            stall = max(
+                (e["gap_s"] for e in after if drop and e["step"] == drop["step"]), default=0
+            )
+            full = (back["t"] - t) if back else None
+            recomputed = 0
+        else:
+            restarts = [e for e in events if e["event"] == "segment_start" and e["t"] >= t]
+            firsts = [e for e in events if e["event"] == "first_step" and e["t"] >= t]
+            ends = [e for e in events if e["event"] == "segment_end" and e["t"] <= t + 60]
+            stall = (firsts[0]["t"] - t) if firsts else None
+            grown = next((s for s in restarts if s["world_size"] == 2), None)
+            first_after_grow = next((f for f in firsts if grown and f["t"] >= grown["t"]), None)
+            full = (first_after_grow["t"] - t) if first_after_grow else None
+            last_end = max((e["step"] for e in ends), default=0)
+            recomputed = max(0, last_end - restarts[0]["restored_step"]) if restarts else 0
+        lost = (stall or 0) + recomputed * step_s * 2
+        out[incident] = {
+            "stall_s": round(stall, 2) if stall is not None else None,
+            "full_strength_s": round(full, 2) if full is not None else None,
+            "steps_recomputed": recomputed,
+            "worker_s_lost": round(lost, 2),
+        }
+    goodput = result["summary"]["goodput"]
+    out["productive_ratio"] = goodput["productive_ratio"]
+    return out
+
+
+def throughput(cluster: LocalCluster, workdir: Path, mode: str, steps: int, round_: int) -> float:
+    name = f"speed-{mode}-{round_}"
+    overrides = [*common(cluster, workdir, mode), f"name={name}", f"training.max_steps={steps}"]
+    summary = raytrain_lm.train(load_config(None, overrides), sample=False)
+    return summary["tokens_per_s"]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=2, help="throughput rounds per mode")
+    p.add_argument("--steps", type=int, default=300, help="unpaced steps per throughput run")
+    p.add_argument("--max-steps", type=int, default=600)
+    p.add_argument("--step-s", type=float, default=0.1)
+    p.add_argument("--kill-at", type=float, default=8.0)
+    p.add_argument("--add-after", type=float, default=12.0)
+    p.add_argument("--drain-after", type=float, default=20.0)
+    p.add_argument("--out", default="benchmarks/results/replicas_vs_restart.json")
+    args = p.parse_args()
+    workdir = Path(tempfile.mkdtemp(prefix="replicas-bench-"))
+    cluster = LocalCluster(workers=2)
+    report: dict = {"incidents": {}, "tokens_per_s": {"restart": [], "replicas": []}}
+    try:
+        for mode in ("restart", "replicas"):
+            while len(cluster.nodes) < 2:
+                cluster.add_node()
+            result = incident_run(cluster, workdir, mode, args)
+            report["incidents"][mode] = measure(result, args.step_s)
+            print(f"{mode}: {json.dumps(report['incidents'][mode])}", flush=True)
+        for round_ in range(args.rounds):
+            for mode in ("restart", "replicas") if round_ % 2 == 0 else ("replicas", "restart"):
+                while len(cluster.nodes) < 2:
+                    cluster.add_node()
+                rate = throughput(cluster, workdir, mode, args.steps, round_)
+                report["tokens_per_s"][mode].append(round(rate))
+                print(f"round {round_} {mode}: {rate:,.0f} tokens/s", flush=True)
+    finally:
+        cluster.shutdown()
+    speeds = report["tokens_per_s"]
+    report["replicas_over_restart"] = round(
+        statistics.median(speeds["replicas"]) / statistics.median(speeds["restart"]), 3
+    )
+    for incident in ("kill", "drain"):
+        restart, replicas = (report["incidents"][m][incident] for m in ("restart", "replicas"))
+        if replicas["worker_s_lost"]:
+            report[f"{incident}_worker_s_lost_ratio"] = round(
+                restart["worker_s_lost"] / replicas["worker_s_lost"], 2
+            )
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    print(json.dumps({k: v for k, v in report.items() if k != "incidents"}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

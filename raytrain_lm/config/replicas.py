@@ -1,0 +1,41 @@
+"""The `replicas` section: the timings of replica groups (`scaling.fault_tolerance=replicas`,
+trainer/replicas.py), which keep stepping while a group is lost, replaced or drained.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from raytrain_lm.config.base import _Section
+
+
+class ReplicasConfig(_Section):
+    heartbeat_timeout_s: float = Field(
+        2.0,
+        gt=0.0,
+        description="a group silent this long is left out of the next step's quorum",
+    )
+    join_timeout_s: float = Field(
+        2.0,
+        ge=0.0,
+        description="how long a quorum waits for known groups that have not asked yet "
+        "before it goes on with those that did (at least scaling.min_workers)",
+    )
+    quorum_timeout_s: float = Field(
+        10.0,
+        gt=0.0,
+        description="how long one attempt at a quorum waits before the group checks that "
+        "the Lighthouse answers and asks again (until replicas.min_workers_wait_s)",
+    )
+    timeout_s: float = Field(
+        60.0,
+        gt=0.0,
+        description="a collective, commit vote or healing transfer waiting longer fails "
+        "(the step is taken again by the next quorum)",
+    )
+    min_workers_wait_s: float = Field(
+        600.0,
+        gt=0.0,
+        description="how long the run waits for scaling.min_workers groups (capacity lost) "
+        "before it ends, saying why",
+    )

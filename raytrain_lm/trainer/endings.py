@@ -1,0 +1,147 @@
+"""How a worker's group ends and what it leaves behind: the stop and spot-notice protocol at a
+step boundary, and checkpoints written, reported to Ray Train and uploaded (a part of Worker,
+worker.py; replica groups override what differs, replicas.py).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from raytrain_lm.config import to_yaml
+from raytrain_lm.data import ledger
+from raytrain_lm.rundir import CONFIG_FILE, TOKENIZER_FILE
+from raytrain_lm.trainer import faults, signals
+from raytrain_lm.trainer.cadence import Flags
+from raytrain_lm.trainer.checkpoint import prune_checkpoints, save_checkpoint, upload_checkpoint
+from raytrain_lm.trainer.progress import announce
+
+
+class Endings:
+    """The Worker's stop, spot-notice and checkpoint methods."""
+
+    def _ends_group(self, flags: Flags) -> bool:
+        """After rank 0 raised a flag (every rank calls this at the same step): whether this
+        group ends now, with a checkpoint, for a stop request or a spot notice."""
+        if flags.stop:
+            reason = signals.STOP
+            if self.is_chief:
+                self.events.append(self._event(signals.STOP, step=self.state.step))
+        else:
+            info = self.ray.preemption_info()  # a collective: every rank asks
+            if info is None or not self.cfg.fault.checkpoint_on_preemption:
+                return False
+            # A node of ours is being drained: checkpoint now and end this group, so the
+            # driver restarts at once on the nodes that stay; steps taken while waiting for
+            # the node to vanish would only be recomputed.
+            reason = signals.PREEMPTION
+            self.upload_deadline = info.deadline_ms / 1000 if info.deadline_ms else None
+            if self.is_chief:
+                ranks = sorted(info.preempted_ranks)
+                self.events.append(
+                    self._event(
+                        reason, step=self.state.step, deadline_ms=info.deadline_ms, ranks=ranks
+                    )
+                )
+                announce(f"preemption notice for ranks {ranks}")
+        announce(
+            f"{reason}: just-in-time checkpoint at step {self.state.step}, then this worker "
+            "group ends",
+            self.is_chief,
+        )
+        return True
+
+    def _report_checkpoint(self, final: bool = False) -> None:
+        """Writes the ledger and a checkpoint, and reports both to Ray Train.
+
+        Periodic checkpoints upload in the background while training goes on (a bucket may
+        take minutes for a large one); the one a worker group ends with (the last step, a
+        stop, a spot notice) is uploaded before the group ends, within a spot notice's
+        deadline."""
+        state = self.state
+        # Metrics up to this step are stored before the checkpoint exists: a run resumed from
+        # it never logs those steps again, and the worker may be stopped right after the
+        # report (a resize, or Tune pausing or cloning a trial).
+        self.tracker.flush()
+        state.world_size, state.strategy = self.world, self.strategy
+        state.shares = list(self.plan.shares)
+        state.per_type = self._per_type(self.throughput.tokens_per_s)
+        state.train_loss, state.tokens_per_s = self.train_loss, self.throughput.tokens_per_s
+        if self.ledger:
+            # Positions consumed since the previous checkpoint, one object per rank and
+            # interval: a restart from step k discards those starting at or after k.
+            ledger.record(
+                self.run_dir, self.last_report_step, state.step, self.rank,
+                np.concatenate(self.ledger),
+            )  # fmt: skip
+        report = {
+            "step": state.step,
+            "tokens": state.tokens,
+            "train_loss": self.train_loss,
+            "val_loss": state.val_loss,
+            "tokens_per_s": self.throughput.tokens_per_s,
+        }
+        local = None
+        texts = {TOKENIZER_FILE: self.tokenizer_json, CONFIG_FILE: to_yaml(self.cfg)}
+        if self.sharded:  # every rank writes its shards; the whole weights at the end
+            from raytrain_lm.trainer.sharded import save_sharded_checkpoint
+
+            local = Path(tempfile.mkdtemp(prefix="raytrain-checkpoint-"))
+            save_sharded_checkpoint(
+                local, self.model, self.optimizer, state, texts, self.rank, full_weights=final
+            )
+        elif self.is_chief:
+            # Deleted once it is uploaded (in the background, if async).
+            local = Path(tempfile.mkdtemp(prefix="raytrain-checkpoint-"))
+            save_checkpoint(
+                local,
+                self.model,
+                self.optimizer,
+                state,
+                texts,
+                partially_written=lambda: faults.maybe_fire(
+                    self.spec.fault, "kill-in-checkpoint", state.step, self.fault_rank, self.run_dir
+                ),
+            )
+        # A chaos test's kill after this checkpoint means after it is complete: wait for it.
+        final = final or faults.targets(self.spec.fault, "kill-after-checkpoint", state.step)
+        try:
+            self._publish_checkpoint(report, local, wait=final)
+        except OSError as exc:
+            if self.upload_deadline is None:
+                raise
+            announce(f"the just-in-time checkpoint could not be saved in time: {exc}")
+        faults.maybe_fire(
+            self.spec.fault, "kill-after-checkpoint", state.step, self.fault_rank, self.run_dir
+        )
+        self.last_report_step = state.step
+        self.ledger = []
+        self.watchdog.beat()
+
+    def _publish_checkpoint(self, report: dict[str, float], local: Path | None, wait: bool) -> None:
+        """Reports the metrics and this rank's part of the checkpoint (None: none) to Ray
+        Train, which uploads it with `_upload`, in the background unless `wait`."""
+        self.ray.report(report, local, wait=wait, upload=self._upload)
+
+    def _upload(self, local: Path, name: str) -> str:
+        """The upload step of a reported checkpoint (on a background thread for periodic
+        ones): ours writes the marker last and rides out a bucket outage (see
+        checkpoint.upload_checkpoint), then prunes, which in a bucket is a listing and a few
+        requests that the training thread need not wait for. Returns where it went."""
+        destination = self.run_dir.at(name)
+        upload_checkpoint(
+            local,
+            destination,
+            self.cfg.checkpoint.upload_retry_s,
+            deadline=self.upload_deadline,
+            gather_parts=self.world if self.sharded and self.is_chief else 0,
+        )
+        c = self.cfg.checkpoint
+        try:
+            if self.is_chief:
+                prune_checkpoints(self.run_dir, c.keep_last, c.keep_best)
+        except OSError as exc:  # the bucket went away after the upload: prune next time
+            announce(f"pruning old checkpoints failed, will retry at the next one: {exc}")
+        return destination

@@ -1,0 +1,172 @@
+"""torchft for replica groups (replicas.py): the Lighthouse's settings, this group's
+`Manager` (a quorum before every step, healing from a peer, the commit vote), and the chief-only
+views of the tracker and the progress line that every group holds.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from raytrain_lm.config import RunConfig
+from raytrain_lm.tracking import Tracker
+from raytrain_lm.trainer.progress import ProgressBar, announce
+
+if TYPE_CHECKING:
+    from raytrain_lm.trainer.replicas import ReplicaWorker
+
+
+def lighthouse_settings(cfg: RunConfig) -> dict[str, Any]:
+    """torchft's Lighthouse (run by Ray Train on the head): a quorum needs at least
+    `scaling.min_workers` groups; a silent group is left out after the heartbeat timeout."""
+    replicas = cfg.replicas
+    return {
+        "min_replicas": cfg.scaling.min_size,
+        "join_timeout_ms": int(replicas.join_timeout_s * 1000),
+        "heartbeat_timeout_ms": int(replicas.heartbeat_timeout_s * 1000),
+        "quorum_tick_ms": 100,
+    }
+
+
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # set in every worker by Ray Train's TorchftConfig
+
+
+class LighthouseLost(RuntimeError):
+    """The torchft Lighthouse (on the head) does not answer: no quorum can form again."""
+
+    def __init__(self, address: str):
+        super().__init__(f"the torchft Lighthouse at {address} does not answer")
+
+
+def lighthouse_answers(timeout_s: float = 3.0) -> bool:
+    """Whether something listens at the Lighthouse's address (a TCP connect)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    address = urlsplit(os.environ.get(LIGHTHOUSE_ENV, ""))
+    if not address.hostname or not address.port:
+        return True  # not known here: assume it is there
+    try:
+        socket.create_connection((address.hostname, address.port), timeout=timeout_s).close()
+        return True
+    except OSError:
+        return False
+
+
+class Quorum:
+    """This group's torchft Manager: a quorum before every step, healing, the commit vote."""
+
+    def __init__(self, cfg: RunConfig, group: int, device: torch.device, save, load):
+        # torchft logs every quorum and vote at INFO (Rust and Python): our events say it once.
+        os.environ.setdefault("RUST_LOG", "warn")
+        logging.getLogger("torchft").setLevel(logging.WARNING)
+        from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
+        from torchft.checkpointing.pg_transport import PGTransport
+
+        timeout = timedelta(seconds=cfg.replicas.timeout_s)
+        pg = ProcessGroupGloo(timeout=timeout) if device.type == "cpu" else ProcessGroupNCCL()
+        self.min_groups = cfg.scaling.min_size
+        self.wait_s = cfg.replicas.min_workers_wait_s
+        self.manager = Manager(
+            pg=pg,
+            load_state_dict=load,
+            state_dict=save,
+            min_replica_size=self.min_groups,
+            use_async_quorum=False,  # a healed group takes part in the step it healed in
+            timeout=timeout,
+            quorum_timeout=timedelta(seconds=cfg.replicas.quorum_timeout_s),
+            connect_timeout=timeout,
+            rank=0,
+            world_size=1,
+            replica_id=f"raytrain_lm_{group}",
+            checkpoint_transport=PGTransport(pg, timeout=timeout, device=device),
+            init_sync=False,  # every group builds the same weights from the seed
+        )
+
+    def form(self) -> tuple[int | None, int]:
+        """Waits for a quorum (healing first if this group is behind); returns this group's
+        participating rank (None: not taking part) and the number of participants. Raises
+        LighthouseLost when the Lighthouse no longer answers, and after
+        `replicas.min_workers_wait_s` without a quorum, a one-line reason."""
+        waited_from = time.monotonic()
+        while True:
+            try:
+                self.manager.start_quorum()
+                break
+            except Exception as exc:  # no quorum within replicas.quorum_timeout_s
+                # torchft keeps the failed attempt and raises it again at every later call;
+                # forgetting it is what lets a new attempt be made (torchft 0.2 has no API).
+                self.manager._quorum_future = None
+                if not lighthouse_answers():
+                    raise LighthouseLost(os.environ.get(LIGHTHOUSE_ENV, "?")) from None
+                waited = time.monotonic() - waited_from
+                if waited > self.wait_s:
+                    raise RuntimeError(
+                        f"no quorum of scaling.min_workers={self.min_groups} replica groups "
+                        f"for {waited:.0f} s: too few are alive, and no capacity came for "
+                        f"more within replicas.min_workers_wait_s ({type(exc).__name__})"
+                    ) from None
+                announce(
+                    f"waiting for scaling.min_workers={self.min_groups} replica groups "
+                    f"({waited:.0f} s of replicas.min_workers_wait_s={self.wait_s:g})"
+                )
+        return self.manager.participating_rank(), self.manager.num_participants()
+
+    def sum(self, values: torch.Tensor) -> torch.Tensor:
+        """`values` summed over this step's participants (zeros if the reduction failed:
+        the step then does not commit)."""
+        from torch.distributed import ReduceOp
+
+        self.manager.allreduce(values, reduce_op=ReduceOp.SUM).wait()
+        return values
+
+    def average_gradients(self, model: torch.nn.Module) -> None:
+        """The participants' gradients averaged, in one reduction after the backward.
+
+        Not torchft's DDP wrapper (bucketed, overlapping the backward): in torchft 0.2 its
+        hook fails an assertion when a peer dies during the reduction, which ends the
+        survivor too. A failed reduction here only marks the step as not to commit."""
+        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+        from torch.distributed import ReduceOp
+
+        params = [p for p in model.parameters() if p.requires_grad]
+        for param in params:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+        grads = [p.grad for p in params]
+        flat = _flatten_dense_tensors(grads)
+        self.manager.allreduce(flat, reduce_op=ReduceOp.AVG).wait()
+        for grad, averaged in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
+            grad.copy_(averaged)
+
+    def commit(self) -> bool:
+        return self.manager.should_commit()
+
+
+class ChiefTracker:
+    """Every group holds a tracker; only the current chief's calls reach MLflow."""
+
+    def __init__(self, tracker: Tracker, worker: ReplicaWorker):
+        self.tracker, self.worker = tracker, worker
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        if self.worker.is_chief:
+            self.tracker.log_metrics(metrics, step=step)
+
+    def flush(self) -> None:
+        self.tracker.flush()
+
+
+class ChiefProgress(ProgressBar):
+    def __init__(self, worker: ReplicaWorker, *args):
+        super().__init__(*args)
+        self.worker = worker
+
+    def update(self, step: int, metrics: dict[str, float], force: bool = False) -> None:
+        if self.worker.is_chief:
+            super().update(step, metrics, force)

@@ -1,0 +1,435 @@
+"""Replica groups (`scaling.fault_tolerance=replicas`): a lost, drained or added node changes
+who takes part in the next step, and the others never stop.
+
+Every Ray Train worker is a replica group of its own (Ray Train's `TorchftConfig`, which runs
+torchft's Lighthouse on the head and replaces a failed group alone). Before every step the
+group's torchft `Manager` forms a quorum with the live groups: a group that is lost is left out
+after `replicas.heartbeat_timeout_s`; a group that joins (a replacement, capacity come back)
+heals from a live peer through torchft's checkpoint transport (model, optimizer, train state,
+ledger position) and takes part in that same step. Only when no group is alive (the first start,
+or all lost) does a group restore the run's newest checkpoint, which stays the backstop.
+
+Exactly once, whoever takes part. Step s is positions [s*G, (s+1)*G) of the global order. Each
+group reads the whole step (G sequences: token ids are small) and, after the quorum, takes its
+slice by participating rank (shares of G over the P participants, by type weight where
+`scaling.balance` gives them). Each pass's loss is weighted by P*b/G and torchft averages the
+gradients over the P participants, so the update is the mean over the step's tokens, as with
+any fixed split. The participants then sum their loss parts with a checksum of the positions
+they took, and vote (`should_commit`); a step that does not commit is taken again, with the same
+positions, by the next quorum. A committed step's positions go into the ledger only after its
+checksum showed that the participants took each of them exactly once.
+
+Who writes: the lowest participating rank of the latest quorum is the chief (metrics, events,
+heartbeats, checkpoints, ledger); every group keeps what the chief needs, so whoever becomes
+chief next logs from where the last one stopped.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from raytrain_lm.errors import UserError
+from raytrain_lm.tracking import Tracker
+from raytrain_lm.trainer import faults, hardware, signals
+from raytrain_lm.trainer.balance import type_weights
+from raytrain_lm.trainer.cadence import Flags
+from raytrain_lm.trainer.checkpoint import TrainState, latest_complete_checkpoint, read_state
+from raytrain_lm.trainer.plan import BatchPlan, learning_rate
+from raytrain_lm.trainer.progress import ProgressBar, announce
+from raytrain_lm.trainer.quorum import ChiefProgress, ChiefTracker, LighthouseLost, Quorum
+from raytrain_lm.trainer.step import StepParts, accumulate_gradients, apply_update, step_seed
+from raytrain_lm.trainer.worker import Worker
+
+if TYPE_CHECKING:
+    from raytrain_lm.trainer.loop import RaySide
+    from raytrain_lm.trainer.spec import WorkerSpec
+
+_LOW_BITS = 1023  # positions' low bits: their squares sum exactly in float64
+
+
+def position_checksum(taken: np.ndarray) -> list[float]:
+    """What a participant reports of the positions it took: their count, their sum and the sum
+    of their low bits' squares (exact in float64 for any run's positions), summed over the
+    participants with the loss."""
+    return [float(len(taken)), float(taken.sum()), float(((taken & _LOW_BITS) ** 2).sum())]
+
+
+def check_step_taken(step: int, global_batch: int, checksum: list[float]) -> None:
+    """The participants of committed step `step + 1` took its positions, each exactly once."""
+    g = global_batch
+    wanted = position_checksum(np.arange(step * g, (step + 1) * g, dtype=np.int64))
+    if checksum != wanted:
+        raise RuntimeError(
+            f"step {step + 1}: the participants took positions {checksum} (count, sum, "
+            f"squares), not the step's {wanted}"
+        )
+
+
+class ReplicaWorker(Worker):
+    """A replica group of one worker (see the module docstring)."""
+
+    def __init__(self, spec: WorkerSpec, ray_side: RaySide, rank: int, world: int, t_start):
+        self.group, self.groups = rank, world  # this group's index, and the most there may be
+        self.participant: int | None = 0  # this group's place in the latest quorum
+        self.participants = 1
+        super().__init__(spec, ray_side, 0, 1, t_start)  # a process group of one worker
+        if self.strategy != "ddp":
+            raise UserError("scaling.fault_tolerance=replicas trains with parallel.strategy=ddp")
+        self.quorum = Quorum(spec.config, self.group, self.device, self._for_peer, self._from_peer)
+        self.healed_at: float | None = None
+        self.whole_step: tuple[int, np.ndarray, np.ndarray] | None = None
+        self.stop_seen = False
+        self.leaving = False
+        self.uploads: list[threading.Thread] = []
+
+    @property
+    def is_chief(self) -> bool:
+        return self.participant == 0
+
+    @property
+    def fault_rank(self) -> int:
+        return self.group
+
+    def _tracker(self) -> Tracker:
+        return ChiefTracker(super()._tracker(), self)
+
+    def _progress(self) -> ProgressBar | None:
+        if not self.cfg.training.progress:
+            return None
+        return ChiefProgress(self, self.end_step, self.state.step, self.cfg.training.log_every)
+
+    # ------------------------------------------------------------------------------ peers
+
+    def _for_peer(self) -> dict[str, Any]:
+        """What a joining group heals from (torchft sends it from this group)."""
+        if self.cfg.training.ledger:  # the run is being verified: say what was sent
+            self._event("replica_sent", group=self.group, step=self.state.step, **self._digest())
+        return {
+            "model": self.model.state_dict(),
+            "optim": self.optimizer.state_dict(),
+            "train": asdict(self.state),
+            "last_report_step": self.last_report_step,
+            "unlogged": self.pending.snapshot(),  # the healed group may be the next chief
+            "participants": self.seen_participants,
+        }
+
+    def _from_peer(self, state: dict[str, Any]) -> None:
+        cut = faults.find(self.spec.fault, "kill-while-healing")  # a chaos test's
+        if cut is not None and state["train"]["step"] >= (cut.step or 0):
+            faults.maybe_fire(cut, "kill-while-healing", cut.step, self.group, self.run_dir)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optim"])
+        self.state = TrainState(**state["train"])
+        self.last_report_step = state["last_report_step"]
+        self.ledger = self._committed_since(self.last_report_step, self.state.step)
+        self.pending.adopt(state["unlogged"], self.device)
+        self.seen_participants = state["participants"]
+        self.healed_at = time.time()
+
+    def _digest(self) -> dict[str, str]:
+        """SHA-256 of the weights and of the optimizer's state, bit for bit."""
+        import hashlib
+
+        digests = {}
+        for name, tensors in (
+            ("params_sha", self.model.state_dict().values()),
+            ("optim_sha", [v for s in self.optimizer.state.values() for v in s.values()]),
+        ):
+            digest = hashlib.sha256()
+            for tensor in tensors:
+                digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+            digests[name] = digest.hexdigest()[:16]
+        return digests
+
+    def _committed_since(self, first: int, end: int) -> list[np.ndarray]:
+        g = self.cfg.training.global_batch_size
+        return [np.arange(first * g, end * g, dtype=np.int64)] if end > first else []
+
+    # ------------------------------------------------------------------------------ start
+
+    def restore(self, offered) -> None:
+        """Joins the first quorum: heals from a live peer if there is one ahead, else (no
+        group has trained yet in this invocation) restores the run's newest checkpoint."""
+        if self._run_already_done():
+            self.state = read_state(latest_complete_checkpoint(self.run_dir))
+            return
+        self.participant, self.participants = self.quorum.form()
+        self.quorum_formed = True  # the first step uses this quorum
+        if self.healed_at is None:
+            super().restore(offered)
+            self.quorum.manager.load_state_dict({"step": self.state.step, "batches_committed": 0})
+        self.throughput = type(self.throughput)(first_step=self.state.step)
+
+    def _run_already_done(self) -> bool:
+        """A replacement group that starts after the others finished has nothing to join."""
+        latest = latest_complete_checkpoint(self.run_dir)
+        return latest is not None and read_state(latest).step >= self.end_step
+
+    def start(self) -> None:
+        """Records this group's start (its process, whether it healed); the chief of a fresh
+        start also records the run's segment as a worker group does."""
+        if self.state.step >= self.end_step:
+            return
+        self._event(
+            "replica_start",
+            group=self.group,
+            pid=os.getpid(),
+            step=self.state.step,
+            t_start=self.t_start,
+            healed=self.healed_at is not None,
+            heal_s=round(self.healed_at - self.t_start, 2) if self.healed_at else None,
+            participants=self.participants,
+            **(self._digest() if self.cfg.training.ledger and self.healed_at else {}),
+        )
+        if self.healed_at is None:
+            # What start() reports: the first quorum's size (weights come with the first step).
+            self.plan = BatchPlan.derive(
+                self.cfg.training, self.participants, [1.0] * self.participants
+            )
+            super().start()
+        else:
+            announce(
+                f"replica group {self.group} joined at step {self.state.step}, healed from a peer"
+            )
+        self.last_commit_t = time.time()
+        if self.healed_at is None:
+            self.seen_participants = self.participants
+
+    def train(self) -> None:
+        lost = False
+        try:
+            if self.state.step < self.end_step:
+                super().train()
+        except LighthouseLost as exc:
+            # No quorum can form again: the chief checkpoints what the groups committed and
+            # the driver starts the run again, with a new Lighthouse (launch.py).
+            lost = True
+            announce(f"{exc}: checkpoint at step {self.state.step}, then a restart", self.is_chief)
+            if self.is_chief:
+                self._event(signals.LIGHTHOUSE_LOST, step=self.state.step)
+                if len(self.pending):
+                    self.tracker.log_metrics(self._read_pending(), step=self.state.step)
+                self._report_checkpoint(final=True)
+        for upload in self.uploads:
+            upload.join()
+        self.quorum.manager.shutdown(wait=False)
+        ended = self.state.step >= self.end_step or self.stop_seen or self.leaving or lost
+        if self.is_chief and ended:  # the groups are done: see callbacks.EndAfterReplicasDone
+            self._event(signals.REPLICAS_DONE, step=self.state.step)
+
+    # ------------------------------------------------------------------------------ steps
+
+    def _take_step(self, parts: StepParts, batches) -> None:
+        """One step, taken again until the participants commit it (see the module docstring)."""
+        cfg, state = self.cfg, self.state
+        while True:
+            before = state.step
+            if not getattr(self, "quorum_formed", False):
+                self.participant, self.participants = self.quorum.form()
+            self.quorum_formed = False
+            if state.step != before:  # healed from a peer that was ahead: read from there on
+                self.batches.close()
+                self.batches = batches = self._batches()
+            if self.whole_step is None or self.whole_step[0] != state.step:
+                waited = time.perf_counter()
+                positions, tokens = next(batches)
+                self.whole_step = (state.step, positions.copy(), tokens)
+                self.data_wait = time.perf_counter() - waited
+            self.tick = time.perf_counter()
+            assert self.participant is not None, "a group that healed takes part"
+            plan, p = self._plan(), self.participant
+            mine = slice(plan.offset(p), plan.offset(p) + plan.shares[p])
+            _, positions, tokens = self.whole_step
+            self.plan = plan  # what the checkpoint and the summary report
+            step_parts = replace(parts, plan=plan, rank=p)
+            torch.manual_seed(step_seed(cfg.training.seed, state.step, p))
+            lr = learning_rate(
+                state.step, cfg.optim.lr, cfg.optim.min_lr, cfg.optim.warmup_steps,
+                self.decay_steps,
+            )  # fmt: skip
+            loss = accumulate_gradients(step_parts, tokens[mine])
+            self.quorum.average_gradients(self.model)  # no DDP: a process group of one
+            taken = positions[mine]
+            stop = float(self.is_chief and self._stop_due())
+            host = torch.tensor([*position_checksum(taken), stop], dtype=torch.float64)
+            sums = self.quorum.sum(torch.cat([loss.double().reshape(1), host.to(self.device)]))
+            grad_norm, committed = apply_update(step_parts, lr, self.quorum.commit)
+            if committed:
+                break
+            announce(f"step {state.step + 1} did not commit (a group was lost): taking it again")
+        global_loss, *checksum, stops = sums.tolist()
+        check_step_taken(state.step, plan.global_batch, checksum)
+        self._note_membership(state.step + 1)
+        self.stop_seen = stops > 0
+        state.step += 1
+        state.tokens += self.tokens_per_step
+        state.position += plan.global_batch
+        if cfg.training.ledger:
+            g = plan.global_batch
+            self.ledger.append(np.arange((state.step - 1) * g, state.step * g, dtype=np.int64))
+        metrics = {
+            "train/lr": lr,
+            "progress/tokens": state.tokens,
+            "replicas/participants": self.participants,
+        }
+        loss_tensor = torch.tensor(global_loss, device=self.device)
+        self.pending.add(state.step, loss_tensor, grad_norm, metrics, self.data_wait)
+        self.data_wait = 0.0
+        self.watchdog.beat()
+        self.pacer.pace(self.tick)
+
+    def _note_membership(self, step: int) -> None:
+        """An event when the participants changed: the step it showed in, and the gap from
+        the previous committed step (the survivors' stall)."""
+        now = time.time()
+        if self.participants != self.seen_participants:  # each group records what it saw
+            self._event(
+                "replicas_changed",
+                group=self.group,
+                pid=os.getpid(),
+                step=step,
+                participants=self.participants,
+                previous=self.seen_participants,
+                gap_s=round(now - self.last_commit_t, 3),
+            )
+            announce(
+                f"step {step}: {self.participants} replica groups take part "
+                f"(were {self.seen_participants})",
+                self.is_chief,
+            )
+        self.seen_participants, self.last_commit_t = self.participants, now
+
+    def _initial_plan(self) -> BatchPlan:
+        # What a step looks like with every group there (evaluation's batch, the first log).
+        return BatchPlan.derive(self.cfg.training, self.groups, [1.0] * self.groups)
+
+    def _forced_reads(self) -> set[int]:
+        # Every group reads at the same steps (the cadences'), so that whichever becomes
+        # chief holds exactly the steps the last chief did not log.
+        return set()
+
+    def _batches(self, part=None):
+        from raytrain_lm.data.stream import WorkerSlice
+
+        g = self.cfg.training.global_batch_size
+        return super()._batches(WorkerSlice(0, 1, g))  # every group reads whole steps
+
+    def _per_type(self, tokens_per_s: float) -> dict[str, dict[str, float]]:
+        # The groups' types are not gathered (balance weights are): counted as this one's.
+        return super()._per_type(tokens_per_s) if self.participants == 1 else {}
+
+    def _plan(self) -> BatchPlan:
+        """This step's shares of the global batch over its participants: equal, or by the
+        participants' type weights (`scaling.balance`)."""
+        weights = [1.0] * self.participants
+        if isinstance(self.cfg.scaling.balance, dict):
+            mine = type_weights(self.cfg.scaling.balance, self.types)[0]
+            vector = torch.zeros(self.participants, dtype=torch.float64, device=self.device)
+            vector[self.participant] = mine
+            gathered = self.quorum.sum(vector).tolist()
+            if all(w > 0 for w in gathered):  # else the reduction failed: no commit anyway
+                weights = gathered
+        return BatchPlan.derive(self.cfg.training, self.participants, weights)
+
+    def _stop_due(self) -> bool:
+        if not hasattr(self, "stop_checks"):
+            from raytrain_lm.trainer.cadence import Every
+
+            self.stop_checks = Every(seconds=self.cfg.fault.preemption_check_s)
+        return self.stop_checks.due(self.state.step, self.end_step) and signals.stop_requested(
+            self.run_dir
+        )
+
+    def _read_pending(self) -> dict[str, float]:
+        metrics = super()._read_pending()
+        per_device = metrics["perf/tokens_per_s"] / max(1, self.participants)
+        metrics["perf/mfu"] = hardware.mfu(self.flops_per_token, per_device, self.device)
+        return metrics
+
+    # ------------------------------------------------------------------------------ leaving
+
+    def _share_flags(self) -> Flags:
+        """Each group looks at its own node on its own clock; a stop was agreed in the step."""
+        ask = self.every.signals.due(self.state.step, self.end_step)
+        return Flags(ask=ask, stop=self.stop_seen)
+
+    def _ends_group(self, flags: Flags) -> bool:
+        """A stop ends every group at this step, after the chief's checkpoint. A spot notice
+        ends this group alone: it leaves at this step boundary and the others go on; the last
+        group checkpoints first, and the driver starts the run again elsewhere."""
+        state = self.state
+        if flags.stop:
+            if self.is_chief:
+                self.events.append(self._event(signals.STOP, step=state.step))
+            announce(f"stop: checkpoint at step {state.step}, then the run ends", self.is_chief)
+            return True
+        deadline_ms = self.ray.draining_deadline_ms(self.ray.node_id())
+        if deadline_ms is None:
+            return False
+        self.leaving = True
+        self.upload_deadline = deadline_ms / 1000 if deadline_ms else None
+        self._event(
+            "replica_drained", group=self.group, step=state.step, participants=self.participants
+        )
+        if self.participants > 1:
+            announce(f"spot notice: replica group {self.group} leaves at step {state.step}")
+            self.participant = None  # the others log these steps: it is chief no more
+            return True
+        announce(f"spot notice for the last replica group: checkpoint at step {state.step}")
+        self.events.append(
+            self._event(signals.PREEMPTION, step=state.step, deadline_ms=deadline_ms)
+        )
+        return True
+
+    # ------------------------------------------------------------------------------ writing
+
+    def _report_checkpoint(self, final: bool = False) -> None:
+        """The chief alone writes the ledger and the checkpoint (every group holds the same
+        state), and uploads it itself: replica groups report nothing to Ray Train, whose
+        report waits for every worker."""
+        if not self.is_chief:
+            self.tracker.flush()
+            self.ledger, self.last_report_step = [], self.state.step
+            return
+        super()._report_checkpoint(final)
+
+    def _publish_checkpoint(self, report: dict[str, float], local: Path | None, wait: bool) -> None:
+        if local is None:
+            return
+        name = f"checkpoint_{self.state.step:09d}"
+        if wait:
+            for upload in self.uploads:
+                upload.join()
+            self._upload_and_remove(local, name)
+            return
+        upload = threading.Thread(
+            target=self._upload_and_remove, args=(local, name), name="upload", daemon=True
+        )
+        upload.start()
+        self.uploads = [u for u in self.uploads if u.is_alive()] + [upload]
+
+    def _upload_and_remove(self, local: Path, name: str) -> None:
+        import shutil
+
+        try:
+            self._upload(local, name)
+        except OSError as exc:
+            announce(f"checkpoint {name} was not uploaded: {exc}")
+        finally:
+            shutil.rmtree(local, ignore_errors=True)
+
+    def _heartbeat(self) -> None:
+        if self.is_chief:
+            if self.heartbeats is None:
+                from raytrain_lm.trainer.goodput import HeartbeatWriter
+
+                self.heartbeats = HeartbeatWriter(self.run_dir)
+            self.heartbeats.put(self._beat())

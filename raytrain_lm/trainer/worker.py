@@ -1,0 +1,471 @@
+"""One worker's training run: build, restore, then step, with its periodic work (logging,
+evaluation, checkpoints, the stop and spot-notice protocol) declared in one table (cadence.py).
+
+Pure PyTorch and files: what it needs of Ray Train (its device, the group's nodes and types,
+spot notices, reporting checkpoints) it asks of a `RaySide` (loop.py, the one place that calls
+Ray Train's per-worker API). It drives the parts: one optimizer step (step.py), validation
+(evaluation.py), checkpoint contents (checkpoint.py), restoring (restore.py), the stop and
+preemption protocol (signals.py), goodput events (goodput.py). Each part gets only the
+settings it needs. `scaling.fault_tolerance=replicas` runs `ReplicaWorker` (replicas.py),
+which changes how a step's participants are found, not this loop.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from raytrain_lm.config import BALANCE_AUTO_UNDER_FSDP
+from raytrain_lm.data import ledger
+from raytrain_lm.data.manifest import Manifest
+from raytrain_lm.data.order import SequenceOrder
+from raytrain_lm.data.stream import WorkerSlice, stream_train_batches
+from raytrain_lm.errors import UserError
+from raytrain_lm.models import build_model
+from raytrain_lm.tokenization import load_tokenizer
+from raytrain_lm.tracking import MLflowTracker, NullTracker, Tracker
+from raytrain_lm.trainer import faults, hardware, signals
+from raytrain_lm.trainer.balance import (
+    MEASURE_STEPS,
+    ForwardClock,
+    per_type_metrics,
+    type_weights,
+)
+from raytrain_lm.trainer.cadence import Cadences, Flags
+from raytrain_lm.trainer.checkpoint import (
+    TrainState,
+)
+from raytrain_lm.trainer.collectives import FlagChannel, all_reduce
+from raytrain_lm.trainer.endings import Endings
+from raytrain_lm.trainer.evaluation import Evaluator
+from raytrain_lm.trainer.goodput import (
+    Heartbeat,
+    HeartbeatWriter,
+    append_event,
+    close_previous_segment,
+    summarize,
+)
+from raytrain_lm.trainer.parallel import (
+    MemoryEstimate,
+    check_fits,
+    choose_strategy,
+    device_memory_bytes,
+    replicate_model,
+    shard_model,
+)
+from raytrain_lm.trainer.pending import WARMUP_STEPS, Interval, PendingSteps, Throughput
+from raytrain_lm.trainer.plan import BatchPlan, end_step, learning_rate
+from raytrain_lm.trainer.progress import ProgressBar, announce
+from raytrain_lm.trainer.rebalancing import Rebalancing
+from raytrain_lm.trainer.recompute import apply_activation_checkpointing
+from raytrain_lm.trainer.restore import restore_group
+from raytrain_lm.trainer.spec import WorkerSpec
+from raytrain_lm.trainer.step import StepParts, step_seed, train_step
+from raytrain_lm.trainer.watchdog import StepWatchdog
+
+if TYPE_CHECKING:
+    from raytrain_lm.trainer.loop import RaySide
+
+
+class Worker(Rebalancing, Endings):
+    """One worker's run: what it built, where it is, and the periodic work of its loop."""
+
+    def __init__(self, spec: WorkerSpec, ray_side: RaySide, rank: int, world: int, t_start: float):
+        cfg = spec.config
+        self.spec, self.cfg, self.rank, self.world, self.t_start = spec, cfg, rank, world, t_start
+        self.ray = ray_side
+        self.device = ray_side.device
+        hardware.configure_device(self.device)
+        self.bf16 = hardware.use_bf16(self.device, cfg.training.precision)
+        self.compile = hardware.use_compile(self.device, cfg.training.compile)
+        self.run_dir = spec.run_dir
+
+        self.manifest = Manifest.load(spec.data_dir)
+        self.tokenizer_json = load_tokenizer(spec.data_dir).to_json()
+        self.end_step = end_step(cfg.training)
+        torch.manual_seed(cfg.training.seed)
+        self.model = build_model(cfg.model, self.manifest.vocab_size).to(self.device)
+        if cfg.model.init_from:  # a restore below replaces these weights when resuming
+            from raytrain_lm.huggingface import load_hf_weights
+
+            load_hf_weights(self.model, cfg.model.init_from)
+        apply_activation_checkpointing(self.model, cfg.training.activation_checkpointing)
+        self.strategy = self._choose_strategy()
+        if self.sharded:
+            shard_model(
+                self.model,
+                self.device,
+                world,
+                self.bf16,
+                cfg.parallel.reshard_after_forward,
+                compile_blocks=self.compile,
+            )
+        self.types = self.ray.accelerator_types(world, self.device)  # each rank's, on every rank
+        self.plan = self._initial_plan()
+        self.optimizer = hardware.build_adamw(
+            self.model.optimizer_groups(cfg.optim.weight_decay),
+            cfg.optim.lr,
+            (cfg.optim.beta1, cfg.optim.beta2),
+            self.device,
+        )
+        self.tracker: Tracker = self._tracker()
+        self.flops_per_token = self.model.flops_per_token()
+        self.tokens_per_step = cfg.training.global_batch_size * cfg.model.block_size
+        self.decay_steps = cfg.optim.decay_steps or cfg.training.max_steps
+        self.every = Cadences.of(cfg)
+        self.watchdog = StepWatchdog(cfg.fault.step_timeout_s)
+        self.flag_channel = FlagChannel(self.device, cfg.fault.collective_timeout_s)
+        self.pending = PendingSteps(world)
+        self.sync_counter = faults.sync_counter(spec.fault, self.device)
+        self.clock = ForwardClock(self.device) if cfg.scaling.balance == "auto" else None
+        faults.simulate_device(self.model, spec.fault, self.fault_rank)
+        self.pacer = faults.Pacer(spec.fault, self.run_dir)
+
+        self.state = TrainState()
+        self.segment = uuid.uuid4().hex[:12]
+        self.events: list[dict[str, Any]] = []
+        self.throughput = Throughput(first_step=0)
+        self.ledger: list[np.ndarray] = []  # positions consumed since the last checkpoint
+        self.last_report_step = 0
+        self.upload_deadline: float | None = None  # a spot notice's deadline (wall clock)
+        self.heartbeats: HeartbeatWriter | None = None  # rank 0's, from start()
+        self.train_loss = float("nan")
+        self.tick = time.perf_counter()  # when this step began, on the host (for pacing)
+
+    @property
+    def sharded(self) -> bool:
+        return self.strategy == "fsdp"
+
+    @property
+    def is_chief(self) -> bool:
+        """The one worker that writes run files, events and metrics."""
+        return self.rank == 0
+
+    @property
+    def fault_rank(self) -> int:
+        """The rank a chaos test's fault names (trainer/faults.py)."""
+        return self.rank
+
+    def _tracker(self) -> Tracker:
+        if self.is_chief and self.spec.tracking is not None:
+            return MLflowTracker(self.spec.tracking.uri, self.spec.tracking.run_id)
+        return NullTracker()
+
+    def _progress(self) -> ProgressBar | None:
+        if self.is_chief and self.cfg.training.progress:
+            return ProgressBar(self.end_step, self.state.step, self.cfg.training.log_every)
+        return None
+
+    def _choose_strategy(self) -> str:
+        """parallel.strategy, with `auto` settled from the memory the group's state needs
+        against its smallest device; the same on every rank."""
+        setting = self.cfg.parallel.strategy
+        local_workers = self.ray.local_world_size
+        (device_bytes,) = all_reduce(
+            [device_memory_bytes(self.device, local_workers)], self.device, "min"
+        )
+        estimate = MemoryEstimate(
+            params=self.model.num_params(non_embedding=False),
+            world=self.world,
+            device_bytes=int(device_bytes),
+            fraction=self.cfg.parallel.auto_state_fraction,
+        )
+        strategy = choose_strategy(setting, estimate, self.spec.checkpoint_strategy)
+        check_fits(strategy, estimate)
+        if setting == "auto" or strategy == "fsdp":
+            how = "resumed as checkpointed" if self.spec.checkpoint_strategy else "chosen"
+            announce(
+                f"parallel.strategy={strategy}"
+                + (f" ({how} by auto)" if setting == "auto" else "")
+                + f": {estimate.describe()}",
+                self.is_chief,
+            )
+        return strategy
+
+    def _initial_plan(self) -> BatchPlan:
+        """Equal shares, or shares by type weights (`scaling.balance`); `auto` starts equal
+        and re-plans once it has measured (see `_rebalance`)."""
+        setting, training = self.cfg.scaling.balance, self.cfg.training
+        if setting == "none":
+            return BatchPlan.derive(training, self.world)
+        if setting == "auto" and self.sharded:  # strategy auto chose FSDP in the workers
+            raise UserError(BALANCE_AUTO_UNDER_FSDP)
+        weights = [1.0] * self.world if setting == "auto" else type_weights(setting, self.types)
+        return BatchPlan.derive(training, self.world, weights, same_passes=self.sharded)
+
+    # ------------------------------------------------------------------------------ restore
+
+    def restore(self, offered) -> None:
+        """Loads the newest checkpoint that verifies and loads, the same on every rank
+        (restore.py)."""
+        candidates: list[str] = list(self.run_dir.checkpoint_folders())
+        if offered is not None and not self.run_dir.remote and Path(offered.path).is_dir():
+            candidates.append(offered.path)  # normally one of the run directory's own
+        restored, self.state = restore_group(
+            candidates,
+            self.model,
+            self.optimizer,
+            self.device,
+            self.rank,
+            self.strategy,
+            self.cfg.checkpoint.restore_wait_s,
+        )
+        if restored is None and self.spec.expect_checkpoint:
+            raise UserError(
+                f"run '{self.cfg.name}' has checkpoints in {self.run_dir} but none can be "
+                "restored; refusing to start from step 0 (remove the run directory to start "
+                "afresh)"
+            )
+        if self.state.position != self.state.step * self.plan.global_batch:
+            raise RuntimeError(
+                f"inconsistent checkpoint: position {self.state.position}, step {self.state.step}"
+            )
+        self.throughput = Throughput(first_step=self.state.step)
+        self.last_report_step = self.state.step
+
+    def start(self) -> None:
+        """Records this worker group's start (events, ledger, first metrics) and announces it."""
+        state, plan = self.state, self.plan
+        prices, my_type = self.cfg.fault.price_per_hour, self.types[self.rank]
+        my_price = hardware.by_accelerator_type(prices, my_type) or 0.0
+        group_price = all_reduce([my_price], self.device)
+        if self.is_chief:
+            if self.cfg.training.ledger:
+                ledger.discard_after(self.run_dir, state.step)
+            close_previous_segment(self.run_dir)
+            self.heartbeats = HeartbeatWriter(self.run_dir)
+            self.events = [
+                append_event(
+                    self.run_dir,
+                    "segment_start",
+                    segment=self.segment,
+                    t_start=self.t_start,
+                    t_restored=time.time(),
+                    restored_step=state.step,
+                    world_size=self.plan.world_size,
+                    accumulation=plan.accumulation,
+                    shares=list(plan.shares),
+                    types=self.types,
+                    price_per_hour=group_price[0],
+                    nodes=sorted(self.ray.alive_node_ids()),  # lets a failure tell a lost node
+                )
+            ]
+            origin = f"resumed at step {state.step} ({state.tokens:,} tokens)"
+            announce(
+                f"{origin if state.step else 'started'}; world size {plan.world_size}, "
+                + plan.describe()
+            )
+        self.tracker.log_metrics(
+            {"world_size": plan.world_size, "accumulation_steps": plan.accumulation}
+            | self._plan_metrics(),
+            step=state.step,
+        )
+
+    # ------------------------------------------------------------------------------ train
+
+    def train(self) -> None:
+        state, every = self.state, self.every
+        self.parts, self.batches, evaluate = self._step_parts(), self._batches(), self._evaluator()
+        progress = self._progress()
+        self.forced_reads = self._forced_reads()
+        if self.clock is not None:
+            self._measure_after_warmup(first_plan=True)
+        self.watchdog.start()
+        self.pending.restart_clock()
+        if self.sync_counter is not None:
+            self.sync_counter.reset()  # restoring and starting read values: not steps
+        while state.step < self.end_step:
+            self._take_step(self.parts, self.batches)
+            flags = self._share_flags()
+            last = state.step == self.end_step
+            if every.heartbeat.due(state.step, self.end_step):
+                self._heartbeat()
+            log_due = every.log.due(state.step, self.end_step)
+            eval_due = every.eval.due(state.step, self.end_step)
+            checkpoint_due = every.checkpoint.due(state.step, self.end_step)
+            ends = flags.raised and not last and self._ends_group(flags)
+            if self.sync_counter is not None:
+                self.sync_counter.close_step(state.step)
+            reads = log_due or eval_due or checkpoint_due or ends
+            if not reads and state.step not in self.forced_reads:
+                continue  # nothing read: the host goes on queueing the next step
+            metrics = self._read_pending()
+            if log_due and self.events:
+                metrics.update(self._live_goodput())
+            if eval_due:
+                state.val_loss, state.val_step = evaluate(self.model), state.step
+                metrics["val/loss"] = state.val_loss
+                self._restart_step_clock()  # evaluation time is not step time
+            self.tracker.log_metrics(metrics, step=state.step)
+            if progress is not None:
+                progress.update(state.step, metrics, force="val/loss" in metrics)
+            if ends:
+                self._report_checkpoint(final=True)
+                break
+            if checkpoint_due:
+                self._report_checkpoint(final=last)
+                self._restart_step_clock()
+            if self.clock is not None and not last:
+                measured = state.step - self.measured_from
+                if measured == 0:
+                    self.clock.take()  # the warm-up's forwards: not this device's steady pace
+                elif measured == MEASURE_STEPS or (checkpoint_due and measured > MEASURE_STEPS):
+                    self._rebalance(first=self.first_plan and measured == MEASURE_STEPS)
+            if self.sync_counter is not None:
+                self.sync_counter.close_read(state.step)
+        if self.heartbeats is not None:
+            self.heartbeats.close(self._beat())
+        self.watchdog.stop()
+        if self.sync_counter is not None and self.is_chief:
+            self._event("host_syncs", **self.sync_counter.summary())
+        self.tracker.flush()
+
+    def _forced_reads(self) -> set[int]:
+        """Reads at a group's first step and at the end of its warm-up, so that neither the
+        start-up nor the warm-up steps blur a steady interval's tokens/s."""
+        return {self.state.step + 1, self.state.step + WARMUP_STEPS}
+
+    def _take_step(self, parts: StepParts, batches) -> None:
+        cfg, state = self.cfg, self.state
+        self.tick = time.perf_counter()
+        torch.manual_seed(step_seed(cfg.training.seed, state.step, self.rank))
+        lr = learning_rate(
+            state.step, cfg.optim.lr, cfg.optim.min_lr, cfg.optim.warmup_steps, self.decay_steps
+        )
+        result = train_step(parts, batches, lr)
+        state.step += 1
+        state.tokens += self.tokens_per_step
+        state.position += self.plan.global_batch
+        if cfg.training.ledger:
+            self.ledger.append(result.positions)
+        host_metrics = {"train/lr": lr, "progress/tokens": state.tokens}
+        self.pending.add(
+            state.step, result.loss, result.grad_norm, host_metrics, result.data_wait_s
+        )
+        self.watchdog.beat()
+        self.pacer.pace(self.tick)
+
+    def _share_flags(self) -> Flags:
+        """Rank 0's signal flags (whether to ask Ray about preemption, whether a stop was
+        requested), carried to every rank each step without waiting for the device."""
+        ask = self.is_chief and self.every.signals.due(self.state.step, self.end_step)
+        stop = ask and signals.stop_requested(self.run_dir)
+        asks, stops = self.flag_channel.share([int(ask), int(stop)])
+        return Flags(ask=asks > 0, stop=stops > 0)
+
+    def _read_pending(self) -> dict[str, float]:
+        """Reads the steps queued since the last read (every rank at the same step): logs
+        all but the newest, and returns the newest's metrics with the interval's speed."""
+        interval: Interval = self.pending.read()
+        *earlier, (step, metrics) = interval.steps
+        for earlier_step, earlier_metrics in earlier:
+            self.tracker.log_metrics(earlier_metrics, step=earlier_step)
+        self.train_loss = metrics["train/loss"]
+        steps, seconds = len(interval.steps), max(interval.seconds, 1e-9)
+        self.throughput.add(step, seconds, steps * self.tokens_per_step, steps)
+        if step == self.throughput.first_step + 1 and self.events:
+            self.events.append(self._event("first_step", segment=self.segment))
+        tokens_per_s = steps * self.tokens_per_step / seconds
+        metrics.update(
+            {
+                "perf/tokens_per_s": tokens_per_s,
+                "perf/mfu": hardware.mfu(
+                    self.flops_per_token, tokens_per_s / self.world, self.device
+                ),
+                "perf/step_time_s": seconds / steps,
+                "perf/data_wait_fraction": min(1.0, interval.data_wait_s / seconds),
+            }
+        )
+        if self.device.type == "cuda":  # the caching allocator's count: no device sync
+            peak = torch.cuda.max_memory_allocated(self.device)
+            metrics["perf/memory_peak_gib"] = peak / 2**30
+        if self.is_chief:
+            for kind, figures in self._per_type(tokens_per_s).items():
+                for name in ("tokens_per_s", "mfu", "usd_per_mtok"):
+                    if name in figures:
+                        metrics[f"perf/{kind}/{name}"] = figures[name]
+        return metrics
+
+    def _per_type(self, tokens_per_s: float) -> dict[str, dict[str, float]]:
+        return per_type_metrics(
+            self.types,
+            self.plan.shares,
+            tokens_per_s,
+            self.flops_per_token,
+            self.cfg.fault.price_per_hour,
+        )
+
+    def _live_goodput(self) -> dict[str, float]:
+        live = summarize(self.events, time.time())
+        live.step_s += self.throughput.step_seconds
+        return live.metrics(self.state.tokens, self.tokens_per_step)
+
+    def _restart_step_clock(self) -> None:
+        self.pending.restart_clock()
+        self.watchdog.beat()
+
+    # ------------------------------------------------------------------------------ parts
+
+    def _step_parts(self) -> StepParts:
+        model = self.model
+        if not self.sharded:  # sharded: compiled per block and wrapped in place already
+            model = replicate_model(model, self.device, self.world)
+            if self.compile:  # around DDP, so that gradient buckets overlap the backward
+                model = torch.compile(model)
+        return StepParts(
+            model, self.model, self.optimizer, self.plan, self.rank, self.device, self.bf16,
+            self.cfg.optim.grad_clip, clock=self.clock,
+        )  # fmt: skip
+
+    def _evaluator(self) -> Evaluator:
+        cfg = self.cfg
+        return Evaluator(
+            data_dir=self.spec.data_dir,
+            manifest=self.manifest,
+            seq_len=cfg.model.block_size,
+            sequences=cfg.training.eval_sequences,
+            batch=self.plan.micro_batch,
+            rank=self.rank,
+            world=self.world,
+            device=self.device,
+            bf16=self.bf16,
+            same_count_on_every_rank=self.sharded,
+        )
+
+    def _batches(self, part: WorkerSlice | None = None):
+        """This rank's share of every step from the current one on (`part`: another slice)."""
+        cfg = self.cfg
+        part = part or WorkerSlice(self.rank, self.world, self.plan.global_batch, self.plan.shares)
+        order = SequenceOrder(
+            [s.tokens for s in self.manifest.splits["train"].shards],
+            cfg.model.block_size,
+            cfg.data.seed,
+            cfg.data.shuffle_window_shards,
+        )
+        return stream_train_batches(
+            self.spec.data_dir,
+            self.manifest,
+            order,
+            part,
+            part.per_rank,
+            self.state.step,
+            self.end_step,
+            read_cpus=self.spec.read_cpus,
+        )
+
+    def _beat(self) -> Heartbeat:
+        # Step time is counted at reads; the interval since the last one is step time too.
+        seconds = self.throughput.step_seconds + (self.pending.elapsed() if self.pending else 0.0)
+        return Heartbeat(self.segment, self.state.step, time.time(), seconds)
+
+    def _heartbeat(self) -> None:
+        if self.heartbeats is not None:
+            self.heartbeats.put(self._beat())
+
+    def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        return append_event(self.run_dir, kind, **fields)

@@ -1,0 +1,223 @@
+"""Replica groups (`scaling.fault_tolerance=replicas`, trainer/replicas.py) on a local
+multi-node Ray: nodes killed, added and drained, a group killed while it heals, the Lighthouse
+lost, too few groups; every sequence once, and every committed step's loss equal to an
+uninterrupted run's (the arithmetic of exactly-once: test_replicas_shares.py)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+import raytrain_lm
+from raytrain_lm.clusters.multinode import Background, LocalCluster, wait_for_event
+from raytrain_lm.config import load_config
+from raytrain_lm.data.ledger import read_ledger
+from raytrain_lm.trainer import faults
+from raytrain_lm.trainer.checkpoint import latest_complete_checkpoint, read_state
+from raytrain_lm.trainer.goodput import read_events
+
+pytestmark = pytest.mark.chaos
+
+GLOBAL_BATCH, STEPS = 12, 240
+
+
+# ----------------------------------------------------------------------------- on a cluster
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    os.environ.setdefault("RUST_LOG", "warn")  # before the nodes start: the Lighthouse's log
+    local = LocalCluster(workers=2)
+    yield local
+    local.shutdown()
+
+
+@pytest.fixture
+def replica_overrides(cluster, tiny_overrides):
+    while len(cluster.nodes) < 2:  # a test that killed a node leaves one fewer
+        cluster.add_node()
+    return [
+        *tiny_overrides,
+        *cluster.overrides(),
+        "scaling.fault_tolerance=replicas",
+        "scaling.min_workers=1",
+        "scaling.max_workers=2",
+        f"training.global_batch_size={GLOBAL_BATCH}",
+        f"training.max_steps={STEPS}",
+        "training.ledger=true",
+        "training.precision=fp32",
+        "training.eval_every=100000",
+        "checkpoint.every_steps=40",
+        "data.shuffle_window_shards=1",
+        "fault.max_failures=-1",
+    ]
+
+
+def _events(run_dir, kind: str) -> list[dict]:
+    return [e for e in read_events(run_dir) if e["event"] == kind]
+
+
+def _losses(overrides: list[str], run_id: str) -> dict[int, float]:
+    uri = next(o.split("=", 1)[1] for o in overrides if o.startswith("tracking.uri="))
+    history = MlflowClient(tracking_uri=uri).get_metric_history(run_id, "train/loss")
+    steps = [m.step for m in history]
+    assert len(steps) == len(set(steps)), "a step logged twice"
+    return {m.step: m.value for m in history}
+
+
+def test_groups_train_on_through_loss_join_heal_kill_and_drain(
+    cluster, replica_overrides, tmp_path, monkeypatch
+):
+    """A node with a group is killed: the other group never stops (same process), the lost
+    group is replaced once capacity comes back and heals from the survivor (weights and
+    optimizer state bit for bit), even when the first replacement is killed while healing;
+    then a spot notice drains a node: its group leaves at a step boundary, nothing recomputed,
+    no checkpoint. Every sequence once, every step logged once, losses equal to an
+    uninterrupted run's."""
+    reference = raytrain_lm.train(
+        load_config(None, [*replica_overrides, "name=steady"]), sample=False
+    )
+    run_dir = tmp_path / "runs" / "chaos"
+    overrides = [*replica_overrides, "name=chaos"]
+    # The first heal after step 20 (the lost group's replacement) is cut short by killing it:
+    # the replacement of the replacement heals.
+    monkeypatch.setenv(faults.ENV_VAR, "slow-steps:seconds=0.15+kill-while-healing:step=20")
+    run = Background(lambda: raytrain_lm.train(load_config(None, overrides), sample=False))
+    wait_for_event(run_dir, lambda e: e["event"] == "replica_start", 300, still_running=run)
+    time.sleep(5)  # both groups in, whatever healing their start took
+    killed_at = time.time()
+    cluster.kill_node()
+    shrunk = wait_for_event(
+        run_dir,
+        lambda e: e["event"] == "replicas_changed" and e["participants"] == 1,
+        120,
+        after=killed_at,
+        still_running=run,
+    )
+    survivor = shrunk["group"]
+    cluster.add_node()
+    grown = wait_for_event(
+        run_dir,
+        lambda e: e["event"] == "replicas_changed" and e["participants"] == 2,
+        300,
+        after=shrunk["t"],
+        still_running=run,
+    )
+    drained_at = time.time()
+    cluster.drain_node(deadline_s=120)
+    left = wait_for_event(
+        run_dir, lambda e: e["event"] == "replica_drained", 60, after=drained_at, still_running=run
+    )
+    faults.stop_pacing(run_dir)
+    summary = run.wait(600)
+
+    assert summary["steps"] == STEPS and not summary["stopped"]
+    assert read_ledger(run_dir).tolist() == list(range(STEPS * GLOBAL_BATCH))
+    starts = _events(run_dir, "replica_start")
+    survivor_pids = {e["pid"] for e in starts if e["group"] == survivor}
+    assert survivor_pids == {shrunk["pid"]}, "the survivor restarted"
+    assert grown["step"] > shrunk["step"] and left["step"] >= grown["step"]
+    # Healing: what the joiner loaded is what the peer sent, bit for bit.
+    sent = {e["step"]: e for e in _events(run_dir, "replica_sent")}
+    healed = [e for e in starts if e["healed"]]
+    assert healed and all(
+        (e["params_sha"], e["optim_sha"])
+        == (sent[e["step"]]["params_sha"], sent[e["step"]]["optim_sha"])
+        for e in healed
+    )
+    assert list(tmp_path.glob("runs/chaos/fault-fired-kill-while-healing-*")), "no heal was cut"
+    # The drain: no restart, nothing recomputed, no checkpoint at the drained step.
+    goodput = summary["goodput"]
+    assert goodput["restarts"] == 0 and goodput["steps_recomputed"] == 0
+    assert goodput["replica_incidents"] >= 2 and 0 < goodput["replica_stall_s"] < 20
+    assert not list(run_dir.glob(f"checkpoint_{left['step']:09d}"))
+    # The same steps as the run that saw none of it.
+    ours, steady = (
+        _losses(overrides, summary["mlflow_run_id"]),
+        _losses(replica_overrides, reference["mlflow_run_id"]),
+    )
+    assert sorted(ours) == sorted(steady) == list(range(1, STEPS + 1))
+    gap = max(abs(ours[s] - steady[s]) for s in ours)
+    assert gap < 1e-5, gap
+
+
+def test_lighthouse_lost_then_every_group_lost_restart_from_checkpoints(
+    cluster, replica_overrides, tmp_path, monkeypatch
+):
+    """The torchft Lighthouse dies (its process killed): no quorum can form again, so the
+    chief checkpoints at once and the driver starts the run again with a new Lighthouse, from
+    exactly that step. Then every group is lost at once: Ray Train restarts the groups, which
+    restore the newest periodic checkpoint, as a restart-mode run does. Every sequence once."""
+    from ray.util.state import list_actors
+
+    run_dir = tmp_path / "runs" / "lost"
+    overrides = [*replica_overrides, "name=lost"]
+    monkeypatch.setenv(faults.ENV_VAR, "slow-steps:seconds=0.1")
+    run = Background(lambda: raytrain_lm.train(load_config(None, overrides), sample=False))
+    wait_for_event(run_dir, lambda e: e["event"] == "replica_start", 300, still_running=run)
+    time.sleep(3)
+    (lighthouse,) = list_actors(
+        filters=[("class_name", "=", "LighthouseServerActor"), ("state", "=", "ALIVE")]
+    )
+    os.kill(lighthouse.pid, 9)  # the head stays: only the Lighthouse's process goes
+    lost = wait_for_event(
+        run_dir, lambda e: e["event"] == "lighthouse_lost", 120, still_running=run
+    )
+    resumed = wait_for_event(
+        run_dir,
+        lambda e: e["event"] == "segment_start" and e["t"] > lost["t"],
+        300,
+        still_running=run,
+    )
+    assert resumed["restored_step"] == lost["step"]  # the just-in-time checkpoint
+    wait_for_event(
+        run_dir,
+        lambda e: (
+            e["event"] == "replicas_changed" and e["participants"] == 2 and e["t"] > resumed["t"]
+        ),
+        300,
+        still_running=run,
+    )
+    newest = read_state(latest_complete_checkpoint(run_dir)).step
+    killed_at = time.time()
+    cluster.kill_node()
+    cluster.kill_node()
+    cluster.add_node()
+    cluster.add_node()
+    restored = wait_for_event(
+        run_dir,
+        lambda e: e["event"] == "segment_start",
+        300,
+        after=killed_at,
+        still_running=run,
+    )
+    faults.stop_pacing(run_dir)
+    summary = run.wait(600)
+    assert summary["steps"] == STEPS
+    assert restored["restored_step"] >= newest > lost["step"]  # a periodic one, not the first
+    assert read_ledger(run_dir).tolist() == list(range(STEPS * GLOBAL_BATCH))
+
+
+def test_too_few_groups_wait_then_say_why(cluster, replica_overrides, tmp_path, monkeypatch):
+    """min_workers groups are needed and one is lost with no capacity to replace it: the
+    survivor waits replicas.min_workers_wait_s, then the run ends with a one-line reason."""
+    overrides = [
+        *replica_overrides,
+        "name=few",
+        "scaling.min_workers=2",
+        "replicas.min_workers_wait_s=10",
+        "fault.max_failures=0",
+    ]
+    run_dir = tmp_path / "runs" / "few"
+    monkeypatch.setenv(faults.ENV_VAR, "slow-steps:seconds=0.1")
+    run = Background(lambda: raytrain_lm.train(load_config(None, overrides), sample=False))
+    wait_for_event(run_dir, lambda e: e["event"] == "replica_start", 300, still_running=run)
+    time.sleep(3)
+    cluster.kill_node()
+    with pytest.raises(Exception) as failed:
+        run.wait(300)
+    reason = "no quorum of scaling.min_workers=2 replica groups for"
+    assert reason in str(failed.value) or reason in repr(failed.value.__cause__)
