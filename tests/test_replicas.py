@@ -15,6 +15,7 @@ import raytrain_lm
 from raytrain_lm.clusters.multinode import Background, LocalCluster, wait_for_event
 from raytrain_lm.config import load_config
 from raytrain_lm.data.ledger import read_ledger
+from raytrain_lm.errors import UserError
 from raytrain_lm.trainer import faults
 from raytrain_lm.trainer.checkpoint import latest_complete_checkpoint, read_state
 from raytrain_lm.trainer.goodput import read_events
@@ -83,8 +84,9 @@ def test_groups_train_on_through_loss_join_heal_kill_and_drain(
     run_dir = tmp_path / "runs" / "chaos"
     overrides = [*replica_overrides, "name=chaos"]
     # The first heal after step 20 (the lost group's replacement) is cut short by killing it:
-    # the replacement of the replacement heals.
-    monkeypatch.setenv(faults.ENV_VAR, "slow-steps:seconds=0.15+kill-while-healing:step=20")
+    # the replacement of the replacement heals. Paced so that the incidents, however slowly a
+    # busy machine starts nodes and workers, come long before the last step.
+    monkeypatch.setenv(faults.ENV_VAR, "slow-steps:seconds=0.4+kill-while-healing:step=20")
     run = Background(lambda: raytrain_lm.train(load_config(None, overrides), sample=False))
     wait_for_event(run_dir, lambda e: e["event"] == "replica_start", 300, still_running=run)
     time.sleep(5)  # both groups in, whatever healing their start took
@@ -132,7 +134,8 @@ def test_groups_train_on_through_loss_join_heal_kill_and_drain(
     # The drain: no restart, nothing recomputed, no checkpoint at the drained step.
     goodput = summary["goodput"]
     assert goodput["restarts"] == 0 and goodput["steps_recomputed"] == 0
-    assert goodput["replica_incidents"] >= 2 and 0 < goodput["replica_stall_s"] < 20
+    incidents = goodput["replica_incidents"]
+    assert incidents >= 2 and 0 < goodput["replica_stall_s"] < 10 * incidents  # restart: 17-36 s
     assert not list(run_dir.glob(f"checkpoint_{left['step']:09d}"))
     # The same steps as the run that saw none of it.
     ours, steady = (
@@ -142,6 +145,17 @@ def test_groups_train_on_through_loss_join_heal_kill_and_drain(
     assert sorted(ours) == sorted(steady) == list(range(1, STEPS + 1))
     gap = max(abs(ours[s] - steady[s]) for s in ours)
     assert gap < 1e-5, gap
+
+
+def _wait_for_checkpoint_after(run_dir, step: int, run: Background, timeout: float = 300) -> int:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        latest = latest_complete_checkpoint(run_dir)
+        if latest is not None and read_state(latest).step > step:
+            return read_state(latest).step
+        assert run.running, "the run ended before a checkpoint after step {step}"
+        time.sleep(0.2)
+    raise TimeoutError(f"no checkpoint after step {step} within {timeout:.0f} s")
 
 
 def test_lighthouse_lost_then_every_group_lost_restart_from_checkpoints(
@@ -173,15 +187,7 @@ def test_lighthouse_lost_then_every_group_lost_restart_from_checkpoints(
         still_running=run,
     )
     assert resumed["restored_step"] == lost["step"]  # the just-in-time checkpoint
-    wait_for_event(
-        run_dir,
-        lambda e: (
-            e["event"] == "replicas_changed" and e["participants"] == 2 and e["t"] > resumed["t"]
-        ),
-        300,
-        still_running=run,
-    )
-    newest = read_state(latest_complete_checkpoint(run_dir)).step
+    newest = _wait_for_checkpoint_after(run_dir, lost["step"], run)  # a periodic one
     killed_at = time.time()
     cluster.kill_node()
     cluster.kill_node()
@@ -203,21 +209,28 @@ def test_lighthouse_lost_then_every_group_lost_restart_from_checkpoints(
 
 def test_too_few_groups_wait_then_say_why(cluster, replica_overrides, tmp_path, monkeypatch):
     """min_workers groups are needed and one is lost with no capacity to replace it: the
-    survivor waits replicas.min_workers_wait_s, then the run ends with a one-line reason."""
+    survivor waits replicas.min_workers_wait_s, then the run ends with a one-line reason, its
+    ledger exact up to its newest checkpoint."""
     overrides = [
         *replica_overrides,
         "name=few",
         "scaling.min_workers=2",
         "replicas.min_workers_wait_s=10",
-        "fault.max_failures=0",
     ]
     run_dir = tmp_path / "runs" / "few"
     monkeypatch.setenv(faults.ENV_VAR, "slow-steps:seconds=0.1")
     run = Background(lambda: raytrain_lm.train(load_config(None, overrides), sample=False))
-    wait_for_event(run_dir, lambda e: e["event"] == "replica_start", 300, still_running=run)
-    time.sleep(3)
+    _wait_for_checkpoint_after(run_dir, 0, run)
+    killed_at = time.time()
     cluster.kill_node()
-    with pytest.raises(Exception) as failed:
+    with pytest.raises(UserError) as failed:
         run.wait(300)
-    reason = "no quorum of scaling.min_workers=2 replica groups for"
-    assert reason in str(failed.value) or reason in repr(failed.value.__cause__)
+    message = str(failed.value)
+    assert "no quorum of scaling.min_workers=2 replica groups for" in message
+    assert "\n" not in message and "lower scaling.min_workers" in message
+    (gave_up,) = _events(run_dir, "replicas_too_few")
+    assert gave_up["t"] - killed_at >= 10  # replicas.min_workers_wait_s
+    assert f"stopped at step {gave_up['step']}" in message
+    latest = read_state(latest_complete_checkpoint(run_dir)).step
+    assert 0 < latest <= gave_up["step"]
+    assert read_ledger(run_dir).tolist() == list(range(latest * GLOBAL_BATCH))

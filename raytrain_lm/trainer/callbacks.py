@@ -117,7 +117,9 @@ class EndAfterReplicasDone(UserCallback):
                 e for e in read_events(self.run_dir)
                 if e["event"] == REPLICAS_DONE and e["t"] >= started
             ]  # fmt: skip
-            if done and time.time() - done[0]["t"] > self.grace_s:
-                append_event(self.run_dir, "controller_ended", waited_s=self.grace_s)
+            # Too few groups: nothing is coming, and the controller would restart the rest.
+            grace_s = 0.0 if done and done[0].get("too_few") else self.grace_s
+            if done and time.time() - done[0]["t"] > grace_s:
+                append_event(self.run_dir, "controller_ended", waited_s=grace_s)
                 ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
                 return

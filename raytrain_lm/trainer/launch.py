@@ -191,6 +191,12 @@ def _train_until_done(spec: WorkerSpec, callbacks: list | None) -> bool:
             reason = signals.handoff_reason(read_events(run_dir))
             if reason == signals.STOP:
                 return True
+            if reason == signals.REPLICAS_TOO_FEW:
+                gave_up = [e for e in read_events(run_dir) if e["event"] == reason][-1]
+                raise UserError(
+                    f"{gave_up['reason']}; run '{cfg.name}' stopped at step {gave_up['step']}: "
+                    "start it again to resume once capacity is back, or lower scaling.min_workers"
+                )
             reached = latest_complete_checkpoint(run_dir)
             if reason not in (signals.PREEMPTION, signals.LIGHTHOUSE_LOST) or reached is None:
                 return False

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import warnings
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -58,13 +59,37 @@ def lighthouse_answers(timeout_s: float = 3.0) -> bool:
         return False
 
 
+_MANAGER_LOG = logging.getLogger("torchft.manager")
+
+
+class _NoFlightRecorder(logging.Filter):
+    """torchft warns at every new quorum where torch has no NCCL flight recorder (any CPU
+    build), about traces that only NCCL writes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Unable to reset NCCL flight recorder" not in record.getMessage()
+
+
+class TooFewReplicas(RuntimeError):
+    """Fewer than `scaling.min_workers` groups for `replicas.min_workers_wait_s`: the run ends
+    with this reason (launch.py), after the groups' checkpoint."""
+
+
 class Quorum:
     """This group's torchft Manager: a quorum before every step, healing, the commit vote."""
 
     def __init__(self, cfg: RunConfig, group: int, device: torch.device, save, load):
-        # torchft logs every quorum and vote at INFO (Rust and Python): our events say it once.
+        # torchft logs every quorum and vote at INFO (Rust and Python; the structured
+        # "torchft_quorums"/"torchft_commits" records have an empty message, which Ray's
+        # handler prints as a blank line per step): our events say it once.
         os.environ.setdefault("RUST_LOG", "warn")
-        logging.getLogger("torchft").setLevel(logging.WARNING)
+        for name in ("torchft", "torchft_quorums", "torchft_commits"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+        if not any(isinstance(f, _NoFlightRecorder) for f in _MANAGER_LOG.filters):
+            _MANAGER_LOG.addFilter(_NoFlightRecorder())
+        # Its checkpoint transport (healing) trips two torch warnings meant for its authors.
+        warnings.filterwarnings("ignore", category=FutureWarning, module=r"torchft\.")
+        warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)
         from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
         from torchft.checkpointing.pg_transport import PGTransport
 
@@ -106,7 +131,7 @@ class Quorum:
                     raise LighthouseLost(os.environ.get(LIGHTHOUSE_ENV, "?")) from None
                 waited = time.monotonic() - waited_from
                 if waited > self.wait_s:
-                    raise RuntimeError(
+                    raise TooFewReplicas(
                         f"no quorum of scaling.min_workers={self.min_groups} replica groups "
                         f"for {waited:.0f} s: too few are alive, and no capacity came for "
                         f"more within replicas.min_workers_wait_s ({type(exc).__name__})"

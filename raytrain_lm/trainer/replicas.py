@@ -44,7 +44,13 @@ from raytrain_lm.trainer.cadence import Flags
 from raytrain_lm.trainer.checkpoint import TrainState, latest_complete_checkpoint, read_state
 from raytrain_lm.trainer.plan import BatchPlan, learning_rate
 from raytrain_lm.trainer.progress import ProgressBar, announce
-from raytrain_lm.trainer.quorum import ChiefProgress, ChiefTracker, LighthouseLost, Quorum
+from raytrain_lm.trainer.quorum import (
+    ChiefProgress,
+    ChiefTracker,
+    LighthouseLost,
+    Quorum,
+    TooFewReplicas,
+)
 from raytrain_lm.trainer.step import StepParts, accumulate_gradients, apply_update, step_seed
 from raytrain_lm.trainer.worker import Worker
 
@@ -204,7 +210,7 @@ class ReplicaWorker(Worker):
             self.seen_participants = self.participants
 
     def train(self) -> None:
-        lost = False
+        lost = too_few = False
         try:
             if self.state.step < self.end_step:
                 super().train()
@@ -215,15 +221,27 @@ class ReplicaWorker(Worker):
             announce(f"{exc}: checkpoint at step {self.state.step}, then a restart", self.is_chief)
             if self.is_chief:
                 self._event(signals.LIGHTHOUSE_LOST, step=self.state.step)
-                if len(self.pending):
-                    self.tracker.log_metrics(self._read_pending(), step=self.state.step)
-                self._report_checkpoint(final=True)
+                self._checkpoint_now()
+        except TooFewReplicas as exc:
+            # Every group that is left gives up; the last quorum's chief, if it is one of them,
+            # checkpoints first (the others cannot tell who is alive: the run then resumes
+            # from its newest checkpoint). The driver ends the run with this reason.
+            too_few = True
+            if self.is_chief:
+                self._checkpoint_now()
+            self._event(signals.REPLICAS_TOO_FEW, group=self.group, step=self.state.step,
+                        reason=str(exc))  # fmt: skip
         for upload in self.uploads:
             upload.join()
         self.quorum.manager.shutdown(wait=False)
         ended = self.state.step >= self.end_step or self.stop_seen or self.leaving or lost
-        if self.is_chief and ended:  # the groups are done: see callbacks.EndAfterReplicasDone
-            self._event(signals.REPLICAS_DONE, step=self.state.step)
+        if (self.is_chief and ended) or too_few:  # see callbacks.EndAfterReplicasDone
+            self._event(signals.REPLICAS_DONE, step=self.state.step, too_few=too_few)
+
+    def _checkpoint_now(self) -> None:
+        if len(self.pending):
+            self.tracker.log_metrics(self._read_pending(), step=self.state.step)
+        self._report_checkpoint(final=True)
 
     # ------------------------------------------------------------------------------ steps
 

@@ -23,6 +23,7 @@ PREEMPTION = "preemption"
 STOP = "stop"
 LIGHTHOUSE_LOST = "lighthouse_lost"  # replica groups ended for a new Lighthouse (a restart)
 REPLICAS_DONE = "replicas_done"  # replica groups' chief: the groups ended this invocation
+REPLICAS_TOO_FEW = "replicas_too_few"  # fewer than scaling.min_workers groups for too long
 
 
 def request_stop(run_dir: RunDir, why: str) -> None:
@@ -45,12 +46,12 @@ def stop_requested(run_dir: RunDir) -> bool:
 
 def handoff_reason(events: list[dict[str, Any]]) -> str | None:
     """Why the newest worker group ended itself (`preemption`, `stop`, or replica groups'
-    `lighthouse_lost`), or None if it did not: it trained to the end of this invocation, or
-    failed."""
+    `lighthouse_lost` or `replicas_too_few`), or None if it did not: it trained to the end of
+    this invocation, or failed."""
     reason = None
     for event in events:
         if event["event"] == "segment_start":
             reason = None
-        elif event["event"] in (PREEMPTION, STOP, LIGHTHOUSE_LOST):
+        elif event["event"] in (PREEMPTION, STOP, LIGHTHOUSE_LOST, REPLICAS_TOO_FEW):
             reason = event["event"]
     return reason
