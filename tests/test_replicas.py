@@ -61,6 +61,14 @@ def _events(run_dir, kind: str) -> list[dict]:
     return [e for e in read_events(run_dir) if e["event"] == kind]
 
 
+def _both_groups_stepped(event: dict) -> bool:
+    """Two groups committed a step together (a busy machine may take seconds to heal the
+    second group at the start): before that, losing one changes no step's participants."""
+    if event["event"] == "replica_start":  # both in the first quorum: nobody healed
+        return event["participants"] == 2 and not event["healed"]
+    return event["event"] == "replicas_changed" and event["participants"] == 2
+
+
 def _losses(overrides: list[str], run_id: str) -> dict[int, float]:
     uri = next(o.split("=", 1)[1] for o in overrides if o.startswith("tracking.uri="))
     history = MlflowClient(tracking_uri=uri).get_metric_history(run_id, "train/loss")
@@ -88,8 +96,7 @@ def test_groups_train_on_through_loss_join_heal_kill_and_drain(
     # busy machine starts nodes and workers, come long before the last step.
     monkeypatch.setenv(faults.ENV_VAR, "slow-steps:seconds=0.4+kill-while-healing:step=20")
     run = Background(lambda: raytrain_lm.train(load_config(None, overrides), sample=False))
-    wait_for_event(run_dir, lambda e: e["event"] == "replica_start", 300, still_running=run)
-    time.sleep(5)  # both groups in, whatever healing their start took
+    wait_for_event(run_dir, _both_groups_stepped, 300, still_running=run)
     killed_at = time.time()
     cluster.kill_node()
     shrunk = wait_for_event(
@@ -171,8 +178,7 @@ def test_lighthouse_lost_then_every_group_lost_restart_from_checkpoints(
     overrides = [*replica_overrides, "name=lost"]
     monkeypatch.setenv(faults.ENV_VAR, "slow-steps:seconds=0.1")
     run = Background(lambda: raytrain_lm.train(load_config(None, overrides), sample=False))
-    wait_for_event(run_dir, lambda e: e["event"] == "replica_start", 300, still_running=run)
-    time.sleep(3)
+    wait_for_event(run_dir, _both_groups_stepped, 300, still_running=run)
     (lighthouse,) = list_actors(
         filters=[("class_name", "=", "LighthouseServerActor"), ("state", "=", "ALIVE")]
     )
@@ -191,6 +197,7 @@ def test_lighthouse_lost_then_every_group_lost_restart_from_checkpoints(
     killed_at = time.time()
     cluster.kill_node()
     cluster.kill_node()
+    faults.stop_pacing(run_dir)  # no group is left to pace: the restored ones go at full speed
     cluster.add_node()
     cluster.add_node()
     restored = wait_for_event(
@@ -200,7 +207,6 @@ def test_lighthouse_lost_then_every_group_lost_restart_from_checkpoints(
         after=killed_at,
         still_running=run,
     )
-    faults.stop_pacing(run_dir)
     summary = run.wait(600)
     assert summary["steps"] == STEPS
     assert restored["restored_step"] >= newest > lost["step"]  # a periodic one, not the first

@@ -14,10 +14,11 @@ import pytest
 import yaml
 from conftest import TINY
 from mlflow.tracking import MlflowClient
+from support.sweep_files import write_sweep
 
 import raytrain_lm
 from raytrain_lm import cli
-from raytrain_lm.config import RunConfig, parse_override, set_dotted
+from raytrain_lm.config import RunConfig
 from raytrain_lm.errors import UserError
 from raytrain_lm.rundir import RunDir
 from raytrain_lm.runtime import check_schedulable, ensure_ray
@@ -30,44 +31,12 @@ from raytrain_lm.sweeps import (
     TrialRuns,
     derive_max_concurrent,
     load_sweep,
-    log_uniform_keys,
     trial_starts,
 )
-from raytrain_lm.sweeps.search import TRIAL_CPU, build_scheduler, build_search_alg, param_space
+from raytrain_lm.sweeps.search import TRIAL_CPU
 from raytrain_lm.trainer.goodput import read_events
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _tree(overrides: list[str]) -> dict:
-    tree: dict = {}
-    for text in overrides:
-        keys, value = parse_override(text)
-        set_dotted(tree, keys, value)
-    return tree
-
-
-def _write_sweep(folder: Path, overrides: list[str], **top) -> Path:
-    """A sweep over the tiny test model: 1 worker per trial, a report at every 2 steps."""
-    config = _tree(
-        [
-            "scaling.num_workers=1",
-            "training.max_steps=6",
-            "training.eval_every=2",
-            "checkpoint.every_steps=2",
-            "fault.max_failures=2",
-            *overrides,  # a test's own settings win
-        ]
-    )
-    spec = {
-        "config": config,
-        "space": {"optim.lr": {"loguniform": [1e-3, 1e-2]}, "model.n_embd": {"choice": [32, 48]}},
-        "max_concurrent_trials": 2,
-        **top,
-    }
-    path = folder / f"{top.get('name', 'sweep')}.yaml"
-    path.write_text(yaml.safe_dump(spec))
-    return path
 
 
 def _children(uri: str, record_dir: Path | str) -> tuple[MlflowClient, list, object]:
@@ -82,71 +51,6 @@ def _steps(client: MlflowClient, run_id: str, key: str = "train/loss") -> list[i
 
 
 # ------------------------------------------------------------------ the file, without Ray
-
-
-@pytest.mark.parametrize(
-    "path", sorted((ROOT / "experiments" / "sweeps").glob("*.yaml")), ids=lambda p: p.name
-)
-def test_every_sweep_file_parses(path):
-    sweep = load_sweep(path)
-    assert sweep.spec.space and sweep.name
-    assert sweep.base["checkpoint"]["every_steps"] % sweep.base["training"]["eval_every"] == 0
-
-
-@pytest.mark.parametrize(
-    ("space", "message"),
-    [
-        (
-            {"optim.lrr": {"uniform": [0.1, 0.2]}},
-            "unknown key 'optim.lrr'; did you mean 'optim.lr'",
-        ),
-        ({"modle.n_embd": {"choice": [32]}}, "unknown key 'modle.n_embd'; did you mean 'model'"),
-        ({"optim": {"choice": [1]}}, "'optim' is a section"),
-        ({"optim.lr": {"between": [1, 2]}}, "expected one of choice, grid"),
-        ({"optim.lr": {"loguniform": [0, 1]}}, "loguniform needs low > 0"),
-        ({"optim.lr": {"uniform": [2, 1]}}, "low < high"),
-        ({"model.n_embd": {"choice": [32, 33]}}, "must be divisible by model.n_head"),
-        ({"training.precision": {"grid": ["fp32", "fp64"]}}, "'training.precision'"),
-    ],
-)
-def test_bad_search_spaces_are_refused_naming_the_key(tmp_path, space, message):
-    path = _write_sweep(tmp_path, ["model.n_head=2"], space=space)
-    with pytest.raises(UserError, match=message.replace("(", r"\(").replace(".", r"\.")):
-        load_sweep(path)
-
-
-def test_sweep_file_typos_get_did_you_mean_and_exit_2(tmp_path):
-    path = _write_sweep(tmp_path, [], scheduler={"kind": "asha", "grace_periode": 2})
-    with pytest.raises(UserError, match="did you mean 'scheduler.grace_period'"):
-        load_sweep(path)
-    # config.format_validation_error words the sweep file's problems as it does a config's
-    spaceless = tmp_path / "spaceless.yaml"
-    spaceless.write_text(yaml.safe_dump({"num_samples": 2}))
-    with pytest.raises(UserError, match=f"^{spaceless}: missing 'space'$"):
-        load_sweep(spaceless)
-    with pytest.raises(UserError, match=r"invalid value for 'num_samples': .* \(got 0\)$"):
-        load_sweep(_write_sweep(tmp_path, [], num_samples=0))
-    bad = tmp_path / "bad.yaml"
-    bad.write_text(yaml.safe_dump({"spaces": {}, "space": {"optim.lr": {"choice": [1e-3]}}}))
-    result = subprocess.run(
-        [sys.executable, "-m", "raytrain_lm.cli", "sweep", str(bad)],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        timeout=120,
-    )
-    assert result.returncode == 2
-    assert result.stderr.strip().splitlines() == [
-        f"raytrain-lm: error: {bad}: unknown key 'spaces'; did you mean 'space'?"
-    ]
-
-
-def test_keys_sampled_log_uniformly_are_found_in_space_and_pbt_mutations():
-    record = {
-        "space": {"optim.lr": {"loguniform": [3e-4, 3e-3]}, "model.n_embd": {"choice": [64]}},
-        "scheduler": {"hyperparam_mutations": {"optim.weight_decay": {"loguniform": [1e-3, 1]}}},
-    }
-    assert log_uniform_keys(record) == {"optim.lr", "optim.weight_decay"}
 
 
 def test_a_sweep_no_trial_of_which_fits_a_local_ray_is_refused():
@@ -285,7 +189,7 @@ def test_asha_sweep_interrupted_then_restored_on_a_tracking_server(
     checkpoint, the last one runs. In the end each trial is one complete child run of the
     sweep's run, none left RUNNING, and `sweep report` draws the sweep."""
     overrides = [o for o in tiny_overrides if not o.startswith("tracking.uri=")]
-    path = _write_sweep(
+    path = write_sweep(
         tmp_path,
         [*overrides, f"tracking.uri={mlflow_server.uri}", "tracking.experiment=sweeps"],
         name="asha3",
@@ -370,7 +274,7 @@ def test_a_user_error_in_a_trial_reaches_the_caller_alone(ray_session, tiny_over
     Tune actor; the sweep's caller gets that UserError, one line, not Tune's summary of an
     errored trial, once the sweep's MLflow runs are ended."""
     missing = tmp_path / "not-prepared"
-    path = _write_sweep(
+    path = write_sweep(
         tmp_path,
         [*tiny_overrides, "fault.max_failures=0"],
         name="refused",
@@ -401,7 +305,7 @@ def test_a_pbt_sweep_keeps_everything_in_a_bucket(
     shares its code with them.)"""
     bucket = s3.new_bucket("sweeps")
     monkeypatch.chdir(tmp_path)  # the default local folders would appear here
-    path = _write_sweep(
+    path = write_sweep(
         tmp_path,
         [
             *TINY,
@@ -465,42 +369,3 @@ def test_a_pbt_sweep_keeps_everything_in_a_bucket(
     code = cli.run(["sweep", "report", "cloud-pbt", "--output-dir", f"{bucket}/runs"])
     assert code == 0
     assert not (tmp_path / "runs").exists() and not (tmp_path / "data").exists()
-
-
-def test_pbt_sweep_files_are_checked(tmp_path):
-    def pbt(**scheduler):
-        return _write_sweep(tmp_path, [], scheduler={"kind": "pbt", **scheduler})
-
-    with pytest.raises(UserError, match="pbt needs hyperparam_mutations"):
-        load_sweep(pbt())
-    with pytest.raises(UserError, match="PBT cannot change 'model.n_embd' mid-run"):
-        load_sweep(pbt(hyperparam_mutations={"model.n_embd": {"choice": [32, 48]}}))
-    with pytest.raises(UserError, match=r"perturbation_interval \(3\) must be a multiple"):
-        load_sweep(
-            pbt(perturbation_interval=3, hyperparam_mutations={"optim.lr": {"choice": [1e-3]}})
-        )
-    with pytest.raises(UserError, match="need kind: pbt"):
-        load_sweep(_write_sweep(tmp_path, [], scheduler={"perturbation_interval": 2}))
-    sweep = load_sweep(
-        pbt(hyperparam_mutations={"optim.warmup_steps": {"randint": [2, 10]}}, synch=True)
-    )
-    scheduler = build_scheduler(sweep)
-    assert scheduler._perturbation_interval == 2 and scheduler._synch
-    # a perturbation (x0.8 or x1.2) stays inside the declared range, and an int stays an int
-    explore = scheduler._custom_explore_fn
-    assert explore({"optim.warmup_steps": 14}) == {"optim.warmup_steps": 9}
-    assert explore({"optim.warmup_steps": 1}) == {"optim.warmup_steps": 2}
-
-
-def test_optuna_search_samples_the_space(tmp_path):
-    path = _write_sweep(tmp_path, [], search="optuna", seed=3)
-    sweep = load_sweep(path)
-    searcher = build_search_alg(sweep)
-    searcher.set_search_properties("val_loss", "min", param_space(sweep.spec.space))
-    suggested = searcher.suggest("t1")
-    assert 1e-3 <= suggested["optim.lr"] <= 1e-2 and suggested["model.n_embd"] in (32, 48)
-    with pytest.raises(UserError, match="optuna cannot sample grid keys"):
-        load_sweep(
-            _write_sweep(tmp_path, [], search="optuna", space={"optim.lr": {"grid": [1e-3]}})
-        )
-    assert param_space({"x.y": {"grid": [1, 2]}}) == {"x.y": {"grid_search": [1, 2]}}

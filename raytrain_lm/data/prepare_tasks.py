@@ -1,0 +1,255 @@
+"""What `prepare`'s Ray tasks run (prepare.py says how they fit together): reading and
+tokenizing a group of inputs into one piece of the token stream (a Ray Data UDF), an alphabet
+for a char tokenizer, and writing shards cut from ranges of the pieces."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import io
+import os
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from raytrain_lm import storage
+from raytrain_lm.data.manifest import TOKENS_COLUMN, ShardInfo
+from raytrain_lm.data.pipeline import ERROR_COLUMN
+from raytrain_lm.data.sources import InputFile, read_documents
+from raytrain_lm.errors import UserError
+from raytrain_lm.tokenization import (
+    ByteTokenizer,
+    CharTokenizer,
+    Tokenizer,
+    token_dtype,
+    tokenizer_from_json,
+)
+
+ROW_TOKENS = 16384  # Parquet row = one slice of the token stream; rows bound read granularity
+STOP_FILE = ".stop"  # beside the pieces: the driver needs no more of them
+# The metadata row a reading task returns for its group of inputs: all the driver receives.
+METADATA_COLUMNS = (
+    "group",  # index of the group's first input
+    "piece",  # where its token stream is (null: no documents)
+    "tokens",
+    "documents",
+    "bytes",  # UTF-8 bytes of its documents, as the byte cap counts them
+    "replaced",
+    "unknown",  # characters outside a char tokenizer's alphabet
+    ERROR_COLUMN,  # a problem with an input, met after `documents` documents
+    "write_error",  # the piece could not be written
+)
+
+
+def read_group(batch: pa.Table, text_field: str) -> pa.Table:
+    """map_batches: a group of inputs -> their documents in order (text, byte size,
+    replaced-byte count, and a null ERROR_COLUMN).
+
+    A UserError (an input that cannot be read, a JSON line without the text field) ends the
+    group with one more row that carries its message (see `pipeline`); the driver raises it
+    if it gets that far, which `data.max_source_bytes` may stop it from doing.
+    """
+    texts, sizes, replaced, errors = [], [], [], []
+    try:
+        for uri, size, mtime_ns in zip(
+            batch.column("uri").to_pylist(),
+            batch.column("size").to_pylist(),
+            batch.column("mtime_ns").to_pylist(),
+            strict=True,
+        ):
+            for doc in read_documents(InputFile(uri, size, mtime_ns), text_field):
+                if not doc.text.strip():
+                    continue  # blank documents would only add end-of-text tokens
+                texts.append(doc.text)
+                sizes.append(len(doc.text.encode("utf-8")))
+                replaced.append(doc.replaced_bytes)
+                errors.append(None)
+    except UserError as exc:
+        texts.append("")
+        sizes.append(0)
+        replaced.append(0)
+        errors.append(str(exc))
+    return pa.table(
+        {
+            "text": pa.array(texts, type=pa.large_string()),
+            "bytes": pa.array(sizes, type=pa.int64()),
+            "replaced": pa.array(replaced, type=pa.int64()),
+            ERROR_COLUMN: pa.array(errors, type=pa.string()),
+        }
+    )
+
+
+def split_error(documents: pa.Table) -> tuple[pa.Table, str | None]:
+    """(the document rows, the message of the error row that may end them)."""
+    errors = documents.column(ERROR_COLUMN)
+    failed = pc.index(errors.is_valid(), True).as_py()  # -1: no error row
+    if failed < 0:
+        return documents, None
+    return documents.slice(0, failed), errors[failed].as_py()
+
+
+@functools.lru_cache(maxsize=2)
+def _tokenizer_for(tokenizer_json: str) -> Tokenizer:
+    # Ray reuses worker processes across tasks: build each tokenizer once per process.
+    return tokenizer_from_json(tokenizer_json)
+
+
+def _encode(texts: list[str], tokenizer: Tokenizer) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(the token stream of `texts`, each followed by end-of-text; each one's length in it;
+    how many of each one's characters a char tokenizer's alphabet lacks)."""
+    dtype = token_dtype(tokenizer.vocab_size)
+    unknown = np.zeros(len(texts), dtype=np.int64)
+    if isinstance(tokenizer, ByteTokenizer):
+        encoded = [tokenizer.encode_array(t) for t in texts]
+    elif isinstance(tokenizer, CharTokenizer):
+        # The alphabet covers the documents under data.max_source_bytes; tasks run ahead of
+        # the cap, and documents past it (which may hold other characters) are discarded.
+        pairs = [tokenizer.encode_known(t) for t in texts]
+        encoded = [np.asarray(ids, dtype=np.int64) for ids, _ in pairs]
+        unknown = np.array([n for _, n in pairs], dtype=np.int64)
+    else:
+        encoded = [np.asarray(ids, dtype=np.int64) for ids in tokenizer.encode_batch(texts)]
+    eot = np.array([tokenizer.eot_id], dtype=dtype)
+    parts = [p for ids in encoded for p in (ids.astype(dtype, copy=False), eot)]
+    values = np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
+    lengths = np.array([len(ids) + 1 for ids in encoded], dtype=np.int64)
+    return values, lengths, unknown
+
+
+def _stopped(pieces: str) -> bool:
+    return storage.exists(storage.join(pieces, STOP_FILE))
+
+
+def tokenize_group(
+    batch: pa.Table,
+    text_field: str,
+    tokenizer_json: str,
+    pieces: str,
+    doc_index: bool,
+    parallel: bool,
+) -> pa.Table:
+    """map_batches: a group of inputs -> their token stream written as one piece under
+    `pieces`, and one metadata row (METADATA_COLUMNS) about it.
+
+    With `doc_index`, each document's byte size, end in the piece, replaced bytes and unknown
+    characters go beside it (`<piece>.index.npy`), for the driver to cut the one group that
+    the byte cap falls in. A group that the driver no longer needs (STOP_FILE exists) is
+    neither tokenized nor written.
+    """
+    row: dict = dict.fromkeys(METADATA_COLUMNS, 0)
+    row |= {"group": batch.column("group")[0].as_py(), "piece": None}
+    row |= {ERROR_COLUMN: None, "write_error": None}
+    if not _stopped(pieces):
+        documents, row[ERROR_COLUMN] = split_error(read_group(batch, text_field))
+        if documents.num_rows and not _stopped(pieces):
+            # Tasks are the parallelism when there are enough of them: one thread each.
+            os.environ["TOKENIZERS_PARALLELISM"] = "true" if parallel else "false"
+            tokenizer = _tokenizer_for(tokenizer_json)
+            texts = documents.column("text").to_pylist()
+            values, lengths, unknown = _encode(texts, tokenizer)
+            sizes = documents.column("bytes").to_numpy()
+            replaced = documents.column("replaced").to_numpy()
+            piece = storage.join(pieces, f"piece-{row['group']:08d}.bin")
+            if not _stopped(pieces):
+                try:
+                    storage.write_bytes(piece, pa.py_buffer(values))
+                    if doc_index:
+                        index = np.stack([sizes, np.cumsum(lengths), replaced, unknown], axis=1)
+                        buffer = io.BytesIO()
+                        np.save(buffer, index.astype(np.int64))
+                        storage.write_bytes(f"{piece}.index.npy", buffer.getvalue())
+                except OSError as exc:
+                    row["write_error"] = f"cannot write to data.cache_dir ({piece}): {exc}"
+                row |= {
+                    "piece": piece,
+                    "tokens": len(values),
+                    "documents": documents.num_rows,
+                    "bytes": int(sizes.sum()),
+                    "replaced": int(replaced.sum()),
+                    "unknown": int(unknown.sum()),
+                }
+    schema = pa.schema(
+        [
+            (name, pa.string() if name in ("piece", ERROR_COLUMN, "write_error") else pa.int64())
+            for name in METADATA_COLUMNS
+        ]
+    )
+    return pa.Table.from_pylist([row], schema=schema)
+
+
+def group_alphabet(batch: pa.Table, text_field: str) -> pa.Table:
+    """map_batches: a group of inputs -> one row: its document and byte counts, its error,
+    and where its alphabet grows: the document (index, cumulative bytes to its end) that
+    first holds each character, and those characters. The driver unites the characters of
+    the documents under the byte cap without receiving any text."""
+    documents, error = split_error(read_group(batch, text_field))
+    seen: set[str] = set()
+    at, ends, chars = [], [], []
+    end = 0
+    for i, (text, size) in enumerate(
+        zip(
+            documents.column("text").to_pylist(),
+            documents.column("bytes").to_pylist(),
+            strict=True,
+        )
+    ):
+        end += size
+        new = set(text) - seen
+        if new:
+            seen |= new
+            at.append(i)
+            ends.append(end)
+            chars.append("".join(sorted(new)))
+    return pa.table(
+        {
+            "documents": pa.array([documents.num_rows], type=pa.int64()),
+            "bytes": pa.array([end], type=pa.int64()),
+            ERROR_COLUMN: pa.array([error], type=pa.string()),
+            "new_at": pa.array([at], type=pa.list_(pa.int64())),
+            "new_end": pa.array([ends], type=pa.list_(pa.int64())),
+            "new_chars": pa.array([chars], type=pa.list_(pa.string())),
+        }
+    )
+
+
+# ----------------------------------------------------------------------------- cutting tasks
+
+
+def shard_bytes(tokens: np.ndarray) -> tuple[bytes, int]:
+    """One shard file's bytes (rows of ROW_TOKENS tokens, zstd) and its row count."""
+    offsets = np.unique(np.append(np.arange(0, len(tokens), ROW_TOKENS), len(tokens))).astype(
+        np.int32
+    )
+    column = pa.ListArray.from_arrays(pa.array(offsets), pa.array(tokens))
+    sink = pa.BufferOutputStream()
+    pq.write_table(pa.table({TOKENS_COLUMN: column}), sink, compression="zstd")
+    return sink.getvalue().to_pybytes(), len(offsets) - 1
+
+
+def write_shards(
+    shards: list[tuple[str, int, list[tuple[str, int, int]]]],
+    directory: str,
+    content_named: bool,
+    dtype: str,
+) -> list[ShardInfo]:
+    """A Ray task: writes each (split, index, [(piece, first token, end token), ...]) shard
+    to `directory` from those ranges of the pieces; checksums come from the bytes written."""
+    itemsize = np.dtype(dtype).itemsize
+    infos = []
+    for split, index, ranges in shards:
+        tokens = np.concatenate(
+            [
+                np.frombuffer(
+                    storage.read_range(piece, start * itemsize, (end - start) * itemsize), dtype
+                )
+                for piece, start, end in ranges
+            ]
+        )
+        data, rows = shard_bytes(tokens)
+        sha256 = hashlib.sha256(data).hexdigest()
+        name = f"{split}-{index:05d}" + (f"-{sha256[:16]}" if content_named else "") + ".parquet"
+        storage.write_bytes(storage.join(directory, name), data)
+        infos.append(ShardInfo(name, len(tokens), rows, sha256))
+    return infos
