@@ -10,6 +10,9 @@ s later, and a spot notice (drain) on a node `--drain-after` s after that. Per i
 - worker-seconds lost: the survivors' stall plus, under restart, the steps recomputed
   (steps since the last checkpoint, times the step time, times the workers).
 Then, without incidents, tokens/s of the two modes over `--steps` unpaced steps, alternating.
+The incidents are spaced so that each one meets a run that trains (restart mode needs 17 to 36 s
+to come back here); a drain that lands while restart mode is still placing a larger group
+was seen to leave that group waiting for the drained node.
 
     .venv/bin/python benchmarks/replicas_vs_restart.py --rounds 2
 """
@@ -87,11 +90,25 @@ def incident_run(cluster: LocalCluster, workdir: Path, mode: str, args) -> dict:
     cluster.add_node()
     time.sleep(args.drain_after)
     times["drain"] = time.time()
-    cluster.drain_node(deadline_s=120)
+    drained = cluster.drain_node(deadline_s=120)
     summary = run.wait(900)
+    cluster.kill_node(drained)  # the cloud takes the machine at its deadline
     del os.environ[faults.ENV_VAR]
+    (run_dir / "incident_times.json").write_text(json.dumps(times))
     events = read_events(run_dir)
     return {"mode": mode, "summary": summary, "times": times, "events": events, "t0": first["t"]}
+
+
+def remeasure(workdir: Path, step_s: float) -> dict:
+    """The incidents measured again from a finished run's events and times (`--remeasure`)."""
+    out = {}
+    for mode in ("restart", "replicas"):
+        run_dir = workdir / "runs" / f"incidents-{mode}"
+        times = json.loads((run_dir / "incident_times.json").read_text())
+        summary = json.loads((run_dir / "summary.json").read_text())
+        result = {"mode": mode, "summary": summary, "times": times, "events": read_events(run_dir)}
+        out[mode] = measure(result, step_s)
+    return out
 
 
 def measure(result: dict, step_s: float) -> dict:
@@ -114,13 +131,14 @@ def measure(result: dict, step_s: float) -> dict:
         else:
             restarts = [e for e in events if e["event"] == "segment_start" and e["t"] >= t]
             firsts = [e for e in events if e["event"] == "first_step" and e["t"] >= t]
-            ends = [e for e in events if e["event"] == "segment_end" and e["t"] <= t + 60]
+            # The group the incident ended: the first end after it, and the restart after that.
+            ended = next((e for e in events if e["event"] == "segment_end" and e["t"] >= t), None)
             stall = (firsts[0]["t"] - t) if firsts else None
             grown = next((s for s in restarts if s["world_size"] == 2), None)
             first_after_grow = next((f for f in firsts if grown and f["t"] >= grown["t"]), None)
             full = (first_after_grow["t"] - t) if first_after_grow else None
-            last_end = max((e["step"] for e in ends), default=0)
-            recomputed = max(0, last_end - restarts[0]["restored_step"]) if restarts else 0
+            restart = next((s for s in restarts if ended and s["t"] >= ended["t"]), None)
+            recomputed = max(0, ended["step"] - restart["restored_step"]) if restart else 0
         lost = (stall or 0) + recomputed * step_s * 2
         out[incident] = {
             "stall_s": round(stall, 2) if stall is not None else None,
@@ -144,13 +162,17 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=2, help="throughput rounds per mode")
     p.add_argument("--steps", type=int, default=300, help="unpaced steps per throughput run")
-    p.add_argument("--max-steps", type=int, default=600)
+    p.add_argument("--max-steps", type=int, default=1500)
     p.add_argument("--step-s", type=float, default=0.1)
     p.add_argument("--kill-at", type=float, default=8.0)
-    p.add_argument("--add-after", type=float, default=12.0)
-    p.add_argument("--drain-after", type=float, default=20.0)
+    p.add_argument("--add-after", type=float, default=35.0)
+    p.add_argument("--drain-after", type=float, default=45.0)
     p.add_argument("--out", default="benchmarks/results/replicas_vs_restart.json")
+    p.add_argument("--remeasure", metavar="WORKDIR", help="measure a finished run's incidents")
     args = p.parse_args()
+    if args.remeasure:
+        print(json.dumps(remeasure(Path(args.remeasure), args.step_s), indent=2))
+        return
     workdir = Path(tempfile.mkdtemp(prefix="replicas-bench-"))
     cluster = LocalCluster(workers=2)
     report: dict = {"incidents": {}, "tokens_per_s": {"restart": [], "replicas": []}}

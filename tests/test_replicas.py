@@ -22,7 +22,7 @@ from raytrain_lm.trainer.goodput import read_events
 
 pytestmark = pytest.mark.chaos
 
-GLOBAL_BATCH, STEPS = 12, 240
+GLOBAL_BATCH, STEPS, CHECKPOINT_EVERY = 12, 240, 40
 
 
 # ----------------------------------------------------------------------------- on a cluster
@@ -51,7 +51,7 @@ def replica_overrides(cluster, tiny_overrides):
         "training.ledger=true",
         "training.precision=fp32",
         "training.eval_every=100000",
-        "checkpoint.every_steps=40",
+        f"checkpoint.every_steps={CHECKPOINT_EVERY}",
         "data.shuffle_window_shards=1",
         "fault.max_failures=-1",
     ]
@@ -116,12 +116,19 @@ def test_groups_train_on_through_loss_join_heal_kill_and_drain(
         still_running=run,
     )
     drained_at = time.time()
-    cluster.drain_node(deadline_s=120)
-    left = wait_for_event(
-        run_dir, lambda e: e["event"] == "replica_drained", 60, after=drained_at, still_running=run
-    )
-    faults.stop_pacing(run_dir)
-    summary = run.wait(600)
+    drained = cluster.drain_node(deadline_s=120)
+    try:
+        left = wait_for_event(
+            run_dir,
+            lambda e: e["event"] == "replica_drained",
+            60,
+            after=drained_at,
+            still_running=run,
+        )
+        faults.stop_pacing(run_dir)
+        summary = run.wait(600)
+    finally:  # the cloud takes the machine at its deadline; the next tests need its slot
+        cluster.kill_node(drained)
 
     assert summary["steps"] == STEPS and not summary["stopped"]
     assert read_ledger(run_dir).tolist() == list(range(STEPS * GLOBAL_BATCH))
@@ -141,9 +148,12 @@ def test_groups_train_on_through_loss_join_heal_kill_and_drain(
     # The drain: no restart, nothing recomputed, no checkpoint at the drained step.
     goodput = summary["goodput"]
     assert goodput["restarts"] == 0 and goodput["steps_recomputed"] == 0
+    assert 0.2 < goodput["productive_ratio"] <= 1  # one segment, whoever was chief
     incidents = goodput["replica_incidents"]
     assert incidents >= 2 and 0 < goodput["replica_stall_s"] < 10 * incidents  # restart: 17-36 s
-    assert not list(run_dir.glob(f"checkpoint_{left['step']:09d}"))
+    # Periodic checkpoints only (one may fall on the drained step), none for the drain.
+    steps = [int(c.name.split("_")[1]) for c in run_dir.glob("checkpoint_*")]
+    assert steps and all(step % CHECKPOINT_EVERY == 0 for step in steps), steps
     # The same steps as the run that saw none of it.
     ours, steady = (
         _losses(overrides, summary["mlflow_run_id"]),

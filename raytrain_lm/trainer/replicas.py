@@ -26,6 +26,7 @@ chief next logs from where the last one stopped.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 import time
@@ -45,6 +46,7 @@ from raytrain_lm.trainer.checkpoint import TrainState, latest_complete_checkpoin
 from raytrain_lm.trainer.plan import BatchPlan, learning_rate
 from raytrain_lm.trainer.progress import ProgressBar, announce
 from raytrain_lm.trainer.quorum import (
+    LIGHTHOUSE_ENV,
     ChiefProgress,
     ChiefTracker,
     LighthouseLost,
@@ -125,6 +127,7 @@ class ReplicaWorker(Worker):
             "last_report_step": self.last_report_step,
             "unlogged": self.pending.snapshot(),  # the healed group may be the next chief
             "participants": self.seen_participants,
+            "segment": self.segment,  # one worker group's life, for goodput, whoever writes
         }
 
     def _from_peer(self, state: dict[str, Any]) -> None:
@@ -138,12 +141,11 @@ class ReplicaWorker(Worker):
         self.ledger = self._committed_since(self.last_report_step, self.state.step)
         self.pending.adopt(state["unlogged"], self.device)
         self.seen_participants = state["participants"]
+        self.segment = state["segment"]
         self.healed_at = time.time()
 
     def _digest(self) -> dict[str, str]:
         """SHA-256 of the weights and of the optimizer's state, bit for bit."""
-        import hashlib
-
         digests = {}
         for name, tensors in (
             ("params_sha", self.model.state_dict().values()),
@@ -172,6 +174,10 @@ class ReplicaWorker(Worker):
         if self.healed_at is None:
             super().restore(offered)
             self.quorum.manager.load_state_dict({"step": self.state.step, "batches_committed": 0})
+            # Groups that restore together (this Lighthouse, this step) are one segment,
+            # whichever of them is chief when it starts or ends.
+            where = f"{os.environ.get(LIGHTHOUSE_ENV, '')}:{self.state.step}"
+            self.segment = hashlib.sha256(where.encode()).hexdigest()[:12]
         self.throughput = type(self.throughput)(first_step=self.state.step)
 
     def _run_already_done(self) -> bool:
@@ -234,6 +240,8 @@ class ReplicaWorker(Worker):
         for upload in self.uploads:
             upload.join()
         self.quorum.manager.shutdown(wait=False)
+        if self.leaving and self.participants > 1:
+            self.participant = None  # the others go on: it is chief no more
         ended = self.state.step >= self.end_step or self.stop_seen or self.leaving or lost
         if (self.is_chief and ended) or too_few:  # see callbacks.EndAfterReplicasDone
             self._event(signals.REPLICAS_DONE, step=self.state.step, too_few=too_few)
@@ -399,8 +407,7 @@ class ReplicaWorker(Worker):
         )
         if self.participants > 1:
             announce(f"spot notice: replica group {self.group} leaves at step {state.step}")
-            self.participant = None  # the others log these steps: it is chief no more
-            return True
+            return True  # after this step's duties (_report_checkpoint)
         announce(f"spot notice for the last replica group: checkpoint at step {state.step}")
         self.events.append(
             self._event(signals.PREEMPTION, step=state.step, deadline_ms=deadline_ms)
@@ -413,6 +420,14 @@ class ReplicaWorker(Worker):
         """The chief alone writes the ledger and the checkpoint (every group holds the same
         state), and uploads it itself: replica groups report nothing to Ray Train, whose
         report waits for every worker."""
+        if self.leaving and self.participants > 1:
+            # A drained group that leaves the others training does what this step asks of
+            # any group (the others have done their part of it: as chief, the periodic
+            # checkpoint and ledger if one falls here) and no more.
+            every = self.every.checkpoint.steps
+            if not (every and self.state.step % every == 0):
+                return
+            final = False
         if not self.is_chief:
             self.tracker.flush()
             self.ledger, self.last_report_step = [], self.state.step
