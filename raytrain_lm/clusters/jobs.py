@@ -196,6 +196,9 @@ def submit(
                     "excludes": UPLOAD_EXCLUDES,
                     "env_vars": {
                         "RAY_TRAIN_V2_ENABLED": "1",
+                        # torchft's Lighthouse and managers (replica groups) log every quorum
+                        # and vote at INFO; they start in the job's processes on the nodes.
+                        "RUST_LOG": os.environ.get("RUST_LOG", "warn"),
                         # Read by the job's supervisor: how long after `stop`'s SIGTERM it
                         # kills the driver. The driver's graceful stop needs up to
                         # fault.stop_timeout_s for its checkpoint.
