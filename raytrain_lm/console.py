@@ -40,6 +40,12 @@ HARMLESS_ACTOR_ARGS = re.compile(
     r"core_worker\.cc:\d+: Actor with class name: '[^']*' and ID: '[0-9a-f]+' has constructor "
     r"arguments in the object store and max_restarts > 0\."
 )
+# The GCS failing to kill an actor whose worker is gone already (a trial's actors torn down as
+# its run ends, racing their own exit): the actor is dead either way.
+ACTOR_ALREADY_GONE = re.compile(
+    r"gcs_actor_scheduler\.cc:\d+: Failed to kill actor [0-9a-f]+, return status: Invalid: "
+    r"KillActor RPC failed"
+)
 # A worker process that Ray shuts down while it is still creating an actor (a trial's or a
 # data stream's actors torn down as a run ends) finds its raylet connection closed and aborts
 # on a CHECK, printing a C++ stack trace that calls itself a Ray bug and blames a raylet
@@ -133,7 +139,9 @@ def _dropping_harmless(handler):
                 aborted.add(pid)
             elif pid in aborted and _STACK_FRAME.search(line):
                 continue  # that abort's stack trace
-            elif not HARMLESS_ACTOR_ARGS.search(line):
+            elif not line.strip():
+                continue  # a blank line from a worker says nothing, prefixed with its name
+            elif not (HARMLESS_ACTOR_ARGS.search(line) or ACTOR_ALREADY_GONE.search(line)):
                 aborted.discard(pid)
                 kept.append(line)
         if kept or not lines:
