@@ -20,7 +20,7 @@ from raytrain_lm.trainer import faults
 from raytrain_lm.trainer.checkpoint import latest_complete_checkpoint, read_state
 from raytrain_lm.trainer.goodput import read_events
 
-pytestmark = pytest.mark.chaos
+pytestmark = [pytest.mark.chaos, pytest.mark.replicas_chaos]
 
 GLOBAL_BATCH, STEPS, CHECKPOINT_EVERY = 12, 240, 40
 
