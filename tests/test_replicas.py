@@ -168,9 +168,10 @@ def _wait_for_checkpoint_after(run_dir, step: int, run: Background, timeout: flo
     deadline = time.time() + timeout
     while time.time() < deadline:
         latest = latest_complete_checkpoint(run_dir)
-        if latest is not None and read_state(latest).step > step:
-            return read_state(latest).step
-        assert run.running, "the run ended before a checkpoint after step {step}"
+        reached = read_state(latest).step if latest is not None else -1
+        if reached > step:
+            return reached
+        assert run.running, f"the run ended before a checkpoint after step {step}"
         time.sleep(0.2)
     raise TimeoutError(f"no checkpoint after step {step} within {timeout:.0f} s")
 
