@@ -30,13 +30,14 @@ demo: $(STAMP)
 # Tests that start Rays of their own (chaos: a multi-node Ray whose nodes they kill, drain and
 # bring back; own_ray: a cluster, a notebook kernel or a CLI sweep) run in a second pytest
 # process beside those sharing the session's Ray. They spend much of their time waiting on
-# nodes and processes. Their output follows; the target fails if either process fails.
-ALONGSIDE := (chaos or own_ray) and not replicas_chaos
+# nodes and processes, so a few long tests that mostly wait (beside) join them there, with a
+# session Ray of that process. Their output follows; the target fails if either process fails.
+ALONGSIDE := (chaos or own_ray or beside) and not replicas_chaos
 test: $(STAMP)
 	@# The project's own bytecode too (see $(STAMP)): each test process imports it afresh.
 	@$(PY) -m compileall -q raytrain_lm tests > /dev/null
 	@$(VENV)/bin/pytest -q -p no:cacheprovider --durations=10 -m "$(ALONGSIDE)" > .tests-alongside.log 2>&1 & alongside=$$!; \
-	$(VENV)/bin/pytest -q --durations=10 -m "not (chaos or own_ray or replicas_chaos)"; rest=$$?; \
+	$(VENV)/bin/pytest -q --durations=10 -m "not (chaos or own_ray or beside or replicas_chaos)"; rest=$$?; \
 	wait $$alongside; alongside_status=$$?; \
 	echo "----- tests with Rays of their own (pytest -m \"$(ALONGSIDE)\"), run alongside -----"; \
 	cat .tests-alongside.log; \

@@ -15,6 +15,7 @@ to come back here); a drain that lands while restart mode is still placing a lar
 was seen to leave that group waiting for the drained node.
 
     .venv/bin/python benchmarks/replicas_vs_restart.py --rounds 2
+    .venv/bin/python benchmarks/replicas_vs_restart.py --throughput-only --model demo --rounds 3
 """
 
 from __future__ import annotations
@@ -48,14 +49,15 @@ from raytrain_lm.trainer.goodput import read_events  # noqa: E402
 BATCH = 12
 
 
-def common(cluster: LocalCluster, workdir: Path, mode: str) -> list[str]:
+def common(cluster: LocalCluster, workdir: Path, mode: str, model: str = "tiny") -> list[str]:
+    # demo: the embedded defaults' model and global batch (32), the job `make demo` runs.
+    sized = [*TINY_MODEL, f"training.global_batch_size={BATCH}"] if model == "tiny" else []
     return [
-        *TINY_MODEL,
+        *sized,
         *cluster.overrides(),
         f"output_dir={workdir / 'runs'}",
         f"data.cache_dir={workdir / 'data'}",
         "tracking.enabled=false",
-        f"training.global_batch_size={BATCH}",
         "training.eval_every=100000",
         "training.precision=fp32",
         "checkpoint.every_steps=50",
@@ -151,9 +153,13 @@ def measure(result: dict, step_s: float) -> dict:
     return out
 
 
-def throughput(cluster: LocalCluster, workdir: Path, mode: str, steps: int, round_: int) -> float:
-    name = f"speed-{mode}-{round_}"
-    overrides = [*common(cluster, workdir, mode), f"name={name}", f"training.max_steps={steps}"]
+def throughput(cluster: LocalCluster, workdir: Path, mode: str, args, round_: int) -> float:
+    name = f"speed-{args.model}-{mode}-{round_}"
+    overrides = [
+        *common(cluster, workdir, mode, args.model),
+        f"name={name}",
+        f"training.max_steps={args.steps}",
+    ]
     summary = raytrain_lm.train(load_config(None, overrides), sample=False)
     return summary["tokens_per_s"]
 
@@ -162,22 +168,35 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=2, help="throughput rounds per mode")
     p.add_argument("--steps", type=int, default=300, help="unpaced steps per throughput run")
+    p.add_argument(
+        "--model",
+        choices=("tiny", "demo"),
+        default="tiny",
+        help="the throughput runs' model: the tests' tiny one (18 ms steps here) or the demo's",
+    )
+    p.add_argument("--throughput-only", action="store_true", help="no incident runs")
     p.add_argument("--max-steps", type=int, default=1500)
     p.add_argument("--step-s", type=float, default=0.1)
     p.add_argument("--kill-at", type=float, default=8.0)
     p.add_argument("--add-after", type=float, default=35.0)
     p.add_argument("--drain-after", type=float, default=45.0)
-    p.add_argument("--out", default="benchmarks/results/replicas_vs_restart.json")
+    p.add_argument("--out", help="default: benchmarks/results/replicas_vs_restart[_MODEL].json")
     p.add_argument("--remeasure", metavar="WORKDIR", help="measure a finished run's incidents")
     args = p.parse_args()
     if args.remeasure:
         print(json.dumps(remeasure(Path(args.remeasure), args.step_s), indent=2))
         return
+    suffix = "" if args.model == "tiny" and not args.throughput_only else f"_{args.model}"
+    args.out = args.out or f"benchmarks/results/replicas_vs_restart{suffix}.json"
     workdir = Path(tempfile.mkdtemp(prefix="replicas-bench-"))
     cluster = LocalCluster(workers=2)
-    report: dict = {"incidents": {}, "tokens_per_s": {"restart": [], "replicas": []}}
+    report: dict = {
+        "model": args.model,
+        "incidents": {},
+        "tokens_per_s": {"restart": [], "replicas": []},
+    }
     try:
-        for mode in ("restart", "replicas"):
+        for mode in () if args.throughput_only else ("restart", "replicas"):
             while len(cluster.nodes) < 2:
                 cluster.add_node()
             result = incident_run(cluster, workdir, mode, args)
@@ -187,7 +206,7 @@ def main() -> None:
             for mode in ("restart", "replicas") if round_ % 2 == 0 else ("replicas", "restart"):
                 while len(cluster.nodes) < 2:
                     cluster.add_node()
-                rate = throughput(cluster, workdir, mode, args.steps, round_)
+                rate = throughput(cluster, workdir, mode, args, round_)
                 report["tokens_per_s"][mode].append(round(rate))
                 print(f"round {round_} {mode}: {rate:,.0f} tokens/s", flush=True)
     finally:
@@ -196,7 +215,7 @@ def main() -> None:
     report["replicas_over_restart"] = round(
         statistics.median(speeds["replicas"]) / statistics.median(speeds["restart"]), 3
     )
-    for incident in ("kill", "drain"):
+    for incident in ("kill", "drain") if report["incidents"] else ():
         restart, replicas = (report["incidents"][m][incident] for m in ("restart", "replicas"))
         if replicas["worker_s_lost"]:
             report[f"{incident}_worker_s_lost_ratio"] = round(

@@ -12,6 +12,7 @@ from raytrain_lm.clusters.multinode import TINY_MODEL
 
 os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+os.environ.setdefault("RUST_LOG", "warn")  # as raytrain_lm's API sets before its Ray starts
 # Before any Ray starts, so that its workers can reach the test bucket server (see s3_server).
 s3_server.export_credentials()
 

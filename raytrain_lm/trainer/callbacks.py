@@ -101,11 +101,13 @@ class EndAfterReplicasDone(UserCallback):
         self.run_dir, self.grace_s = run_dir, grace_s
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        # Unpickled in the controller's process, the one place it can end the controller.
+        # Unpickled in the controller's process, the one place it can end the controller; and
+        # in every worker's, with the run's config, where its watch would end that worker.
         self.__dict__.update(state)
-        import threading
+        if _in_controller():
+            import threading
 
-        threading.Thread(target=self._watch, name="replicas-done", daemon=True).start()
+            threading.Thread(target=self._watch, name="replicas-done", daemon=True).start()
 
     def _watch(self) -> None:
         import ray
@@ -123,3 +125,14 @@ class EndAfterReplicasDone(UserCallback):
                 append_event(self.run_dir, "controller_ended", waited_s=grace_s)
                 ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
                 return
+
+
+def _in_controller() -> bool:
+    """Whether this process is Ray Train's controller (an actor of class TrainController)."""
+    import ray
+
+    try:
+        actor = ray.get_runtime_context().current_actor
+    except Exception:  # not an actor: the driver
+        return False
+    return actor._ray_actor_creation_function_descriptor.class_name == "TrainController"

@@ -401,25 +401,30 @@ def _fit(spec: WorkerSpec, callbacks: list | None = None) -> None:
     try:
         run_interruptibly(trainer.fit)
     except Exception:
-        if not _replicas_done_since(cfg, run_dir, started):
+        done = _replicas_done_since(cfg, run_dir, started)
+        if done is None:
             raise
-        print(
-            "[raytrain-lm] the replica groups are done; Ray Train's controller, still waiting "
-            "to replace a lost group, was ended",
-            flush=True,
-        )
+        if not done.get("too_few"):  # too few: the caller says why the run ended
+            print(
+                "[raytrain-lm] the replica groups are done; Ray Train's controller, still "
+                "waiting to replace a lost group, was ended",
+                flush=True,
+            )
     finally:
         # A run that ends cleanly has withdrawn its resource request already; one forced to
         # end (a second signal, a failure) would leave it to expire, and idle nodes with it.
         release_resource_requests(trainer.train_run_context.run_id)
 
 
-def _replicas_done_since(cfg: RunConfig, run_dir: RunDir, started: float) -> bool:
-    """Whether replica groups ended this invocation themselves (their chief's event), after
-    which a failing fit() is only its controller ended (callbacks.EndAfterReplicasDone)."""
-    return cfg.scaling.fault_tolerance == "replicas" and any(
-        e["event"] == signals.REPLICAS_DONE and e["t"] >= started for e in read_events(run_dir)
-    )
+def _replicas_done_since(cfg: RunConfig, run_dir: RunDir, started: float) -> dict | None:
+    """The event of replica groups that ended this invocation themselves (their chief's),
+    after which a failing fit() is only its controller ended (callbacks.EndAfterReplicasDone)."""
+    if cfg.scaling.fault_tolerance != "replicas":
+        return None
+    done = [
+        e for e in read_events(run_dir) if e["event"] == signals.REPLICAS_DONE and e["t"] >= started
+    ]
+    return done[-1] if done else None
 
 
 def _torch_config(cfg: RunConfig, gpu: bool):

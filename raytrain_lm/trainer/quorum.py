@@ -150,8 +150,9 @@ class Quorum:
         self.manager.allreduce(values, reduce_op=ReduceOp.SUM).wait()
         return values
 
-    def average_gradients(self, model: torch.nn.Module) -> None:
-        """The participants' gradients averaged, in one reduction after the backward.
+    def reduce_step(self, model: torch.nn.Module, values: torch.Tensor) -> torch.Tensor:
+        """The participants' gradients averaged in one reduction after the backward, and
+        `values` summed (as `sum`); both reductions are in flight before either is waited for.
 
         Not torchft's DDP wrapper (bucketed, overlapping the backward): in torchft 0.2 its
         hook fails an assertion when a peer dies during the reduction, which ends the
@@ -165,9 +166,13 @@ class Quorum:
                 param.grad = torch.zeros_like(param)
         grads = [p.grad for p in params]
         flat = _flatten_dense_tensors(grads)
-        self.manager.allreduce(flat, reduce_op=ReduceOp.AVG).wait()
+        averaging = self.manager.allreduce(flat, reduce_op=ReduceOp.AVG)
+        summing = self.manager.allreduce(values, reduce_op=ReduceOp.SUM)
+        averaging.wait()
+        summing.wait()
         for grad, averaged in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
             grad.copy_(averaged)
+        return values
 
     def commit(self) -> bool:
         return self.manager.should_commit()

@@ -282,11 +282,12 @@ class ReplicaWorker(Worker):
                 self.decay_steps,
             )  # fmt: skip
             loss = accumulate_gradients(step_parts, tokens[mine])
-            self.quorum.average_gradients(self.model)  # no DDP: a process group of one
             taken = positions[mine]
             stop = float(self.is_chief and self._stop_due())
             host = torch.tensor([*position_checksum(taken), stop], dtype=torch.float64)
-            sums = self.quorum.sum(torch.cat([loss.double().reshape(1), host.to(self.device)]))
+            values = torch.cat([loss.double().reshape(1), host.to(self.device)])
+            # No DDP (a process group of one): the groups' gradients are reduced here.
+            sums = self.quorum.reduce_step(self.model, values)
             grad_norm, committed = apply_update(step_parts, lr, self.quorum.commit)
             if committed:
                 break
