@@ -1,11 +1,14 @@
 """Replica groups (`scaling.fault_tolerance=replicas`) on the session's Ray, with no incident:
-the same steps as the suite's 2-worker DDP run. The incidents (nodes killed, added, drained)
+the same steps as the suite's 2-worker DDP run, and a sweep trial on them. The incidents (nodes killed, added, drained)
 are test_replicas.py's, on a multi-node Ray of their own (`make test-replicas`)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from mlflow.tracking import MlflowClient
+from support.sweep_files import write_sweep
 
 import raytrain_lm
 from raytrain_lm.config import load_config
@@ -59,3 +62,30 @@ def test_two_groups_take_ddps_steps_and_resume_from_their_checkpoint(world_size_
     gap = max(abs(ours[s] - ddp[s]) for s in ours)
     assert gap < 1e-5, gap
     assert summary["val_loss"] == pytest.approx(reference["val_loss"], abs=1e-4)
+
+
+@pytest.mark.beside
+def test_a_sweep_trial_on_replica_groups_reports_every_checkpoint_to_tune(
+    ray_session, tiny_overrides, tmp_path
+):
+    """Ray Train's reports wait for every worker, which replica groups cannot promise: their
+    chief hands each checkpoint's report to the trial's queue itself. Tune sees the val loss
+    at steps 2, 4 and 6, each with a Tune checkpoint that points at the trial's checkpoint."""
+    path = write_sweep(
+        tmp_path,
+        [*tiny_overrides, "scaling.fault_tolerance=replicas", "scaling.num_workers=2"],
+        name="groups",
+        num_samples=1,
+        scheduler="fifo",
+    )
+    summary = raytrain_lm.sweep(path)
+    assert summary["trials"] == 1 and summary["errored"] == 0, summary
+    results = list((tmp_path / "runs" / "groups").rglob("result.json"))
+    assert len(results) == 1, results
+    reports = [json.loads(line) for line in results[0].read_text().splitlines()]
+    by_step = [r for r in reports if not r.get("done_steps")]
+    assert [r["step"] for r in by_step] == [2, 4, 6], reports
+    assert all(r["val_loss"] > 0 for r in by_step)
+    pointers = list(results[0].parent.rglob("train_checkpoint.json"))
+    steps = sorted(json.loads(p.read_text())["checkpoint"].rsplit("_", 1)[1] for p in pointers)
+    assert steps[:3] == ["000000002", "000000004", "000000006"], steps

@@ -41,10 +41,6 @@ def test_every_sweep_file_parses(path):
         ({"optim.lr": {"uniform": [2, 1]}}, "low < high"),
         ({"model.n_embd": {"choice": [32, 33]}}, "must be divisible by model.n_head"),
         ({"training.precision": {"grid": ["fp32", "fp64"]}}, "'training.precision'"),
-        (
-            {"scaling.fault_tolerance": {"choice": ["restart", "replicas"]}},
-            "scaling.fault_tolerance=replicas is not available to sweep trials yet",
-        ),
     ],
 )
 def test_bad_search_spaces_are_refused_naming_the_key(tmp_path, space, message):
@@ -53,10 +49,10 @@ def test_bad_search_spaces_are_refused_naming_the_key(tmp_path, space, message):
         load_sweep(path)
 
 
-def test_a_sweep_on_replica_groups_is_refused_saying_why(tmp_path):
-    path = write_sweep(tmp_path, ["scaling.fault_tolerance=replicas"])
-    with pytest.raises(UserError, match="Tune needs Ray Train's reports.*: use restart$"):
-        load_sweep(path)
+def test_either_fault_tolerance_may_be_swept(tmp_path):
+    space = {"scaling.fault_tolerance": {"choice": ["restart", "replicas"]}}
+    sweep = load_sweep(write_sweep(tmp_path, ["scaling.num_workers=2"], space=space))
+    assert sweep.spec.space == space
 
 
 def test_sweep_file_typos_get_did_you_mean_and_exit_2(tmp_path):

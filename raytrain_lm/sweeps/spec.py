@@ -244,14 +244,6 @@ def load_sweep(path: str | Path, overrides: list[str] | None = None) -> Sweep:
             f"checkpoint.every_steps ({cfg.checkpoint.every_steps}) must be a multiple of "
             f"training.eval_every ({cfg.training.eval_every}) so every report has a val loss",
         )
-    if cfg.scaling.fault_tolerance == "replicas" or "scaling.fault_tolerance" in spec.space:
-        # Tune ranks and stops trials on Ray Train's reports, which wait for every worker;
-        # replica groups report nothing to Ray Train (trainer/replicas.py).
-        raise _origin_error(
-            origin,
-            "scaling.fault_tolerance=replicas is not available to sweep trials yet (Tune needs "
-            "Ray Train's reports, which replica groups do not make): use restart",
-        )
     base = cfg.model_dump(mode="json")
     pbt = spec.scheduler.kind == "pbt"
     if not (pbt and spec.scheduler.hyperparam_mutations and not spec.space):

@@ -4,7 +4,8 @@ values, named `<sweep>-<trial id>` in the sweep's `trials/` folder.
 The trial is an ordinary training run (its own run directory, checkpoints, elastic scaling,
 fault budgets), so a trial restarted for any reason (a preempted node, an errored trial
 retried by Tune, a restored sweep) resumes from its own last complete checkpoint. Its Ray
-Train reports reach Tune through `ReportToTune`, each with a Tune checkpoint that only points
+Train reports reach Tune through `ReportToTune` (replica groups' chief puts its own in the
+same queue: `ReplicaWorker._publish_checkpoint`), each with a Tune checkpoint that only points
 at the Train checkpoint; under PBT a trial told to copy another adopts that trial's
 checkpoint before it starts (`_adopt`).
 """
@@ -232,6 +233,7 @@ def run_trial(values: dict[str, Any], context: dict[str, Any]) -> None:
                 tags=tags,
                 callbacks=[ReportToTune(queue)],
                 may_change=mutable,
+                reports=queue,
             )
     finally:
         finished.set()

@@ -68,12 +68,14 @@ def train(
     tags: dict[str, Any] | None = None,
     callbacks: list | None = None,
     may_change: tuple[str, ...] = (),
+    reports: Any = None,
 ) -> dict[str, Any]:
     """Runs (or resumes) `cfg` to completion and returns the summary dict.
 
     A sweep trial passes its sweep's MLflow `parent_run_id`, `tags` for its MLflow run, extra
-    Ray Train `callbacks` (its report to Tune) and, under PBT, the keys it `may_change` when it
-    resumes (a perturbation). A run stopped on request (`raytrain-lm stop`, SIGTERM, Ctrl-C)
+    Ray Train `callbacks` (its report to Tune; replica groups put theirs in the `reports`
+    queue themselves) and, under PBT, the keys it `may_change` when it resumes (a
+    perturbation). A run stopped on request (`raytrain-lm stop`, SIGTERM, Ctrl-C)
     returns its summary at the stop's checkpoint, with `stopped: true`.
     """
     started = time.time()
@@ -134,6 +136,7 @@ def train(
         read_cpus=cfg.scaling.data_cpus / cfg.scaling.max_size,
         checkpoint_strategy=previous_strategy,
         fault=faults.from_environment(),
+        reports=reports,
     )
     stopped = False
     if previous is not None and read_state(previous).step >= end_step(cfg.training):

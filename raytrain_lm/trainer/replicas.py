@@ -439,26 +439,43 @@ class ReplicaWorker(Worker):
         if local is None:
             return
         name = f"checkpoint_{self.state.step:09d}"
+        previous = self.uploads[-1] if self.uploads else None
         if wait:
             for upload in self.uploads:
                 upload.join()
-            self._upload_and_remove(local, name)
+            self._upload_and_report(local, name, report, None)
             return
         upload = threading.Thread(
-            target=self._upload_and_remove, args=(local, name), name="upload", daemon=True
+            target=self._upload_and_report,
+            args=(local, name, report, previous),
+            name="upload",
+            daemon=True,
         )
         upload.start()
         self.uploads = [u for u in self.uploads if u.is_alive()] + [upload]
 
-    def _upload_and_remove(self, local: Path, name: str) -> None:
+    def _upload_and_report(
+        self, local: Path, name: str, report: dict[str, float], previous: threading.Thread | None
+    ) -> None:
+        """Uploads a checkpoint; in a sweep trial, then hands its report to Tune, after the
+        previous checkpoint's (Tune takes a trial's reports in step order)."""
         import shutil
 
         try:
-            self._upload(local, name)
+            location = self._upload(local, name)
         except OSError as exc:
             announce(f"checkpoint {name} was not uploaded: {exc}")
+            return
         finally:
             shutil.rmtree(local, ignore_errors=True)
+        if self.spec.reports is None:
+            return
+        from raytrain_lm.sweeps.trial import POINTER_FILE
+
+        if previous is not None:
+            previous.join()
+        # Blocks until the trial took the previous report, as ReportToTune's put does.
+        self.spec.reports.put({**report, POINTER_FILE: location})
 
     def _heartbeat(self) -> None:
         if self.is_chief:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from raytrain_lm.config import RunConfig
 from raytrain_lm.rundir import RunDir
@@ -25,3 +26,6 @@ class WorkerSpec:
     read_cpus: float  # CPUs each Ray Data read task of this worker's stream asks for
     checkpoint_strategy: str | None = None  # the strategy its checkpoints were saved with
     fault: Fault | Faults | None = None  # fault injection for chaos tests (trainer/faults.py)
+    # A sweep trial's queue to Tune (sweeps/trial.py), for the replica groups' chief: Ray
+    # Train's reports, which the trial's callback forwards otherwise, wait for every worker.
+    reports: Any = None
