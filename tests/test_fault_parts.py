@@ -263,9 +263,9 @@ def test_graceful_stop_requests_once_then_forces(tmp_path):
 
 
 def test_worker_group_start_timeouts_are_logged_in_one_line(tmp_path):
-    """Ray Train's controller logs each worker-group start timeout with a full traceback;
-    once our callback is unpickled in its process, the message stays and the traceback goes.
-    Other errors keep theirs."""
+    """Ray Train's controller logs each worker-group start timeout, and a replica group it
+    could not replace on a node that died, with full tracebacks; once our callback is
+    unpickled in its process, each is one line that says why. Other errors keep theirs."""
     import io
     import logging
     import pickle
@@ -279,7 +279,7 @@ def test_worker_group_start_timeouts_are_logged_in_one_line(tmp_path):
     handler = logging.StreamHandler(out)
     log.addHandler(handler)
     try:
-        for error in (_startup_timeout(), WorkerGroupError("boom", {})):
+        for error in (_startup_timeout(), _node_died(), WorkerGroupError("boom", {})):
             try:
                 raise error
             except Exception as exc:
@@ -289,6 +289,10 @@ def test_worker_group_start_timeouts_are_logged_in_one_line(tmp_path):
     lines = out.getvalue().splitlines()
     assert lines[0].startswith("Error in control loop iteration: ")
     assert "Traceback" not in lines[1]  # the timeout: one line
+    assert lines[1] == (
+        "Error in control loop iteration: One of the worker actors failed to initialize due "
+        "to error: The actor died because its node has died. Node Id: fff1"
+    )
     assert sum("Traceback" in line for line in lines) == 1  # the other error: its traceback
 
 
@@ -296,3 +300,19 @@ def _startup_timeout() -> Exception:
     from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError
 
     return WorkerGroupStartupTimeoutError(num_workers=3)
+
+
+def _node_died() -> Exception:
+    """What Ray Train 2.60 raised replacing a replica group in a dead node's slot (seen from
+    the CLI, docs/elastic.md), with its nested traceback in the message."""
+    from ray.train.v2._internal.exceptions import WorkerGroupStartupFailedError
+
+    return WorkerGroupStartupFailedError(
+        "One of the worker actors failed to initialize due to error:\n"
+        "Traceback (most recent call last):\n"
+        '  File "worker_group.py", line 494, in _create_workers\n'
+        "ray.exceptions.ActorDiedError: The actor died unexpectedly before finishing this task.\n"
+        "\tclass_name: RayTrainWorker\n"
+        "The actor died because its node has died. Node Id: fff1\n"
+        "\tthe actor's node was terminated unexpectedly: health check failed"
+    )

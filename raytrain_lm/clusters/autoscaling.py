@@ -181,10 +181,11 @@ def _pids(directory: Path) -> list[int]:
     `directory`, on their command line (fake nodes are raylets started the same way); workers,
     agents and dashboard modules rename themselves (`ray::...`), so their descendants count too."""
     listing = subprocess.run(
-        ["ps", "-eo", "pid=,ppid=,args="], capture_output=True, text=True, check=True
+        ["ps", "-ww", "-eo", "pid=,ppid=,args="], capture_output=True, text=True, check=True
     ).stdout
     marker = str(directory)
     children: dict[int, list[int]] = {}
+    parents: dict[int, int] = {}
     found: set[int] = set()
     for line in listing.splitlines():
         fields = line.split(None, 2)
@@ -192,12 +193,20 @@ def _pids(directory: Path) -> list[int]:
             continue
         pid, ppid = int(fields[0]), int(fields[1])
         children.setdefault(ppid, []).append(pid)
-        if len(fields) == 3 and marker in fields[2] and pid != os.getpid():
+        parents[pid] = ppid
+        if len(fields) == 3 and marker in fields[2]:
             found.add(pid)
+    # Never this process nor what started it: `sh -c "raytrain-lm cluster down --dir X"` (a
+    # script, ssh, make, `timeout`) names the directory on its command line too.
+    ours, pid = set(), os.getpid()
+    while pid and pid not in ours:
+        ours.add(pid)
+        pid = parents.get(pid, 0)
+    found -= ours
     stack = list(found)
     while stack:
         for child in children.get(stack.pop(), []):
-            if child not in found and child != os.getpid():
+            if child not in found and child not in ours:
                 found.add(child)
                 stack.append(child)
     return sorted(found)

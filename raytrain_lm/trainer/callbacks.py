@@ -29,16 +29,30 @@ def alive_node_ids() -> set[str]:
 
 
 CONTROLLER_LOGGER = "ray.train.v2._internal.execution.controller.controller"
+BACKEND_LOGGER = "ray.train.v2._internal.callbacks.backend_setup"
+# What the controller logs, whole tracebacks included, when workers or their node are gone and
+# it goes on (restarts, or replaces a replica group): the error's first and last lines (what
+# failed, and why: "The actor died because its node has died") say all a user can act on.
+_WORKERS_LOST = {
+    "WorkerGroupStartupTimeoutError",
+    "WorkerGroupStartupFailedError",
+    "ActorDiedError",
+    "ActorUnavailableError",
+    "RayActorError",
+}
 
 
-class _OneLineStartTimeouts(logging.Filter):
-    """The controller logs a worker group that did not start in time with its whole
-    traceback, once per attempt; the one-line message says all a user can act on."""
-
+class _OneLineWorkerLosses(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         error = record.exc_info[1] if record.exc_info else None
-        if type(error).__name__ == "WorkerGroupStartupTimeoutError":
-            record.exc_info, record.exc_text = None, None
+        if type(error).__name__ not in _WORKERS_LOST:
+            return True
+        message = record.getMessage()
+        lines = [line.strip() for line in f"{message}\n{error}".splitlines() if line.strip()]
+        why = [line for line in lines if "died because" in line or "unavailable" in line]
+        head = message.splitlines()[0] if message else type(error).__name__
+        record.msg, record.args = "%s", (" ".join(dict.fromkeys([head, *why[-1:]])),)
+        record.exc_info, record.exc_text = None, None
         return True
 
 
@@ -51,9 +65,10 @@ class FailureEvents(UserCallback):
     def __setstate__(self, state: dict[str, Any]) -> None:
         # Unpickled in the controller's process: the one place its logger can be reached.
         self.__dict__.update(state)
-        controller_log = logging.getLogger(CONTROLLER_LOGGER)
-        if not any(isinstance(f, _OneLineStartTimeouts) for f in controller_log.filters):
-            controller_log.addFilter(_OneLineStartTimeouts())
+        for name in (CONTROLLER_LOGGER, BACKEND_LOGGER):
+            log = logging.getLogger(name)
+            if not any(isinstance(f, _OneLineWorkerLosses) for f in log.filters):
+                log.addFilter(_OneLineWorkerLosses())
 
     def after_exception(self, run_context: Any, worker_exceptions: dict[int, Exception]) -> None:
         kinds = sorted({type(e).__name__ for e in worker_exceptions.values()})
