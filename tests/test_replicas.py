@@ -9,7 +9,7 @@ import os
 import time
 
 import pytest
-from mlflow.tracking import MlflowClient
+from support.step_losses import assert_same_step_losses
 
 import raytrain_lm
 from raytrain_lm.clusters.multinode import Background, LocalCluster, wait_for_event
@@ -67,14 +67,6 @@ def _both_groups_stepped(event: dict) -> bool:
     if event["event"] == "replica_start":  # both in the first quorum: nobody healed
         return event["participants"] == 2 and not event["healed"]
     return event["event"] == "replicas_changed" and event["participants"] == 2
-
-
-def _losses(overrides: list[str], run_id: str) -> dict[int, float]:
-    uri = next(o.split("=", 1)[1] for o in overrides if o.startswith("tracking.uri="))
-    history = MlflowClient(tracking_uri=uri).get_metric_history(run_id, "train/loss")
-    steps = [m.step for m in history]
-    assert len(steps) == len(set(steps)), "a step logged twice"
-    return {m.step: m.value for m in history}
 
 
 def test_groups_train_on_through_loss_join_heal_kill_and_drain(
@@ -155,13 +147,8 @@ def test_groups_train_on_through_loss_join_heal_kill_and_drain(
     steps = [int(c.name.split("_")[1]) for c in run_dir.glob("checkpoint_*")]
     assert steps and all(step % CHECKPOINT_EVERY == 0 for step in steps), steps
     # The same steps as the run that saw none of it.
-    ours, steady = (
-        _losses(overrides, summary["mlflow_run_id"]),
-        _losses(replica_overrides, reference["mlflow_run_id"]),
-    )
-    assert sorted(ours) == sorted(steady) == list(range(1, STEPS + 1))
-    gap = max(abs(ours[s] - steady[s]) for s in ours)
-    assert gap < 1e-5, gap
+    uri = next(o.split("=", 1)[1] for o in overrides if o.startswith("tracking.uri="))
+    assert_same_step_losses(uri, summary["mlflow_run_id"], reference["mlflow_run_id"], STEPS)
 
 
 def _wait_for_checkpoint_after(run_dir, step: int, run: Background, timeout: float = 300) -> int:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from mlflow.tracking import MlflowClient
+from support.step_losses import assert_same_step_losses
 from support.sweep_files import write_sweep
 
 import raytrain_lm
@@ -15,13 +15,6 @@ from raytrain_lm.config import load_config
 from raytrain_lm.data.ledger import read_ledger
 from raytrain_lm.trainer.checkpoint import complete_checkpoints, read_state
 from raytrain_lm.trainer.goodput import read_events
-
-
-def _losses(tracking_uri: str, run_id: str) -> dict[int, float]:
-    history = MlflowClient(tracking_uri=tracking_uri).get_metric_history(run_id, "train/loss")
-    steps = [m.step for m in history]
-    assert len(steps) == len(set(steps)), "a step logged twice"
-    return {m.step: m.value for m in history}
 
 
 def test_two_groups_take_ddps_steps_and_resume_from_their_checkpoint(world_size_runs, tmp_path):
@@ -54,13 +47,7 @@ def test_two_groups_take_ddps_steps_and_resume_from_their_checkpoint(world_size_
     assert summary["goodput"]["steps_recomputed"] == 0  # stopped at a checkpoint
 
     uri = next(o.split("=", 1)[1] for o in common if o.startswith("tracking.uri="))
-    ours, ddp = (
-        _losses(uri, summary["mlflow_run_id"]),
-        _losses(uri, reference["mlflow_run_id"]),
-    )
-    assert sorted(ours) == sorted(ddp) == list(range(1, steps + 1))
-    gap = max(abs(ours[s] - ddp[s]) for s in ours)
-    assert gap < 1e-5, gap
+    assert_same_step_losses(uri, summary["mlflow_run_id"], reference["mlflow_run_id"], steps)
     assert summary["val_loss"] == pytest.approx(reference["val_loss"], abs=1e-4)
 
 
