@@ -104,7 +104,7 @@ def test_balance_settings_are_checked_up_front():
         load_config(None, ["scaling.balance=auto", "parallel.strategy=fsdp"])
 
 
-STEPS, GROWN_AT = 24, 20
+STEPS, GROWN_AT = 16, 12
 # A simulated device (trainer/faults.py): 12 ms per sequence forward and 24 ms backward on rank
 # 0, twice that on rank 1 (half speed), slept by the host as it waits for a GPU: 1.15 s per step
 # with equal shares, 0.77 s balanced. The host's own work in a forward is the same on both
@@ -124,22 +124,22 @@ BALANCED = [
 ]
 
 
-@pytest.mark.beside
 def test_auto_balance_outpaces_equal_shares_with_the_same_losses(tiny_overrides, monkeypatch):
     """Rank 1's device runs at half the speed of rank 0's. Equal shares wait for it every step;
     `auto` measures both ranks over steps 4-8 (about 2:1) and gives rank 1 about a third of each
     global batch, which cuts the simulated devices' critical path per step by at least 1.33x
     (1.5x ideal). The wall-clock speed-up is benchmarks/balance_cpu.py's to measure: on these
     shared cores the other tests' load swung it from 1.07x to 1.42x. The auto run then stops
-    at step 20 and resumes on 3 workers
+    at step 12 and resumes on 3 workers
     (shares 11, 11, 10: uneven, as 32 does not divide by 3). Across the re-plan and the grow
     the per-step losses are those of equal shares (the update does not depend on the shares)
     and the ledger holds every position once."""
-    monkeypatch.setenv(ENV_VAR, DEVICES)
     runs = {}
     for balance in ("none", "auto"):
         overrides = [*tiny_overrides, *BALANCED, f"name={balance}", f"scaling.balance={balance}"]
         if balance == "auto":
+            # Equal shares' losses do not depend on the devices' speed: only auto is slowed.
+            monkeypatch.setenv(ENV_VAR, DEVICES)
             stopping = [*overrides, f"training.stop_after_step={GROWN_AT}"]
             raytrain_lm.train(load_config(None, stopping), sample=False)
             overrides.append("scaling.num_workers=3")
@@ -172,4 +172,4 @@ def test_auto_balance_outpaces_equal_shares_with_the_same_losses(tiny_overrides,
 
     cpu = auto["per_type"]["cpu"]
     assert cpu["workers"] == 3 and cpu["tokens_per_s"] > 0 and 0 < cpu["mfu"] < 1
-    assert history["perf/cpu/tokens_per_s"].dropna().size >= 2  # reads at 15 and 20
+    assert history["perf/cpu/tokens_per_s"].dropna().size >= 2  # reads at 10 and 12

@@ -316,3 +316,36 @@ def _node_died() -> Exception:
         "The actor died because its node has died. Node Id: fff1\n"
         "\tthe actor's node was terminated unexpectedly: health check failed"
     )
+
+
+def test_after_ray_trains_controller_fails_the_run_starts_again_from_a_newer_checkpoint(
+    tmp_path,
+):
+    """Ray Train's controller failing (not the training) ends fit(); the driver starts the run
+    again from the newest checkpoint, once per checkpoint written since the last such failure:
+    never without one, never for the training's own errors, and not when the run is done."""
+    from types import SimpleNamespace
+
+    from ray.train.v2.api.exceptions import ControllerError
+
+    from raytrain_lm.trainer.launch import _start_again_after
+
+    spec = SimpleNamespace(
+        config=load_config(None, ["training.max_steps=10"]), run_dir=RunDir.coerce(tmp_path)
+    )
+    failed = ControllerError(RuntimeError("the worker group could not be replaced"))
+    with pytest.raises(ControllerError):
+        _start_again_after(failed, spec, None)  # no checkpoint: nothing to start from
+    _save(tmp_path, 4)
+    assert _start_again_after(failed, spec, None) == 4
+    with pytest.raises(ControllerError):
+        _start_again_after(failed, spec, 4)  # nothing written since the last one
+    with pytest.raises(ValueError):
+        _start_again_after(ValueError("the training's own error"), spec, None)
+    _save(tmp_path, 7)
+    assert _start_again_after(failed, spec, 4) == 7
+    _save(tmp_path, 10)
+    with pytest.raises(ControllerError):
+        _start_again_after(failed, spec, 7)  # the run is done
+    restarts = [e for e in read_events(tmp_path) if e["event"] == "controller_failed"]
+    assert [e["step"] for e in restarts] == [4, 7]

@@ -20,7 +20,7 @@ from raytrain_lm.trainer import faults
 from raytrain_lm.trainer.checkpoint import latest_complete_checkpoint, read_state
 from raytrain_lm.trainer.goodput import read_events
 
-pytestmark = [pytest.mark.chaos, pytest.mark.replicas_chaos]
+pytestmark = pytest.mark.chaos
 
 GLOBAL_BATCH, STEPS, CHECKPOINT_EVERY = 12, 240, 40
 
@@ -163,17 +163,15 @@ def _wait_for_checkpoint_after(run_dir, step: int, run: Background, timeout: flo
     raise TimeoutError(f"no checkpoint after step {step} within {timeout:.0f} s")
 
 
-def test_lighthouse_lost_restarts_from_a_checkpoint_of_that_step(
+def test_lighthouse_lost_then_every_group_lost_restart_from_checkpoints(
     cluster, replica_overrides, tmp_path, monkeypatch
 ):
     """The torchft Lighthouse dies (its process killed): no quorum can form again, so the
     chief checkpoints at once and the driver starts the run again with a new Lighthouse, from
-    exactly that step. Every sequence once.
-
-    Every group lost at once (Ray Train then restarts the groups, which restore the newest
-    checkpoint) passed here alone, but on a loaded machine Ray Train's controller itself
-    failed (ControllerError) in one of three runs: not tested in the suite until the driver
-    retries that (docs/elastic.md)."""
+    exactly that step. Then every group is lost at once: the groups started again restore the
+    newest periodic checkpoint, as a restart-mode run does (when Ray Train's controller fails
+    while it replaces them, as it may on a loaded machine, the driver starts the run again
+    from that checkpoint). Every sequence once."""
     from ray.util.state import list_actors
 
     run_dir = tmp_path / "runs" / "lost"
@@ -195,9 +193,23 @@ def test_lighthouse_lost_restarts_from_a_checkpoint_of_that_step(
         still_running=run,
     )
     assert resumed["restored_step"] == lost["step"]  # the just-in-time checkpoint
-    faults.stop_pacing(run_dir)
+    newest = _wait_for_checkpoint_after(run_dir, lost["step"], run)  # a periodic one
+    killed_at = time.time()
+    cluster.kill_node()
+    cluster.kill_node()
+    faults.stop_pacing(run_dir)  # no group is left to pace: the restored ones go at full speed
+    cluster.add_node()
+    cluster.add_node()
+    restored = wait_for_event(
+        run_dir,
+        lambda e: e["event"] == "segment_start",
+        300,
+        after=killed_at,
+        still_running=run,
+    )
     summary = run.wait(600)
     assert summary["steps"] == STEPS
+    assert restored["restored_step"] >= newest > lost["step"]  # a periodic one, not the first
     assert read_ledger(run_dir).tolist() == list(range(STEPS * GLOBAL_BATCH))
 
 

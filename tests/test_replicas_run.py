@@ -1,6 +1,6 @@
 """Replica groups (`scaling.fault_tolerance=replicas`) on the session's Ray, with no incident:
 the same steps as the suite's 2-worker DDP run, and a sweep trial on them. The incidents (nodes killed, added, drained)
-are test_replicas.py's, on a multi-node Ray of their own (`make test-replicas`)."""
+are test_replicas.py's, on a multi-node Ray of their own (the chaos process of `make test`)."""
 
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ def test_two_groups_take_ddps_steps_and_resume_from_their_checkpoint(world_size_
         "name=replicas",
         "scaling.fault_tolerance=replicas",
         "scaling.num_workers=2",
+        "fault.price_per_hour.cpu=3.6",
     ]
     stopped = raytrain_lm.train(
         load_config(None, [*overrides, "training.stop_after_step=6"]), sample=False
@@ -45,6 +46,13 @@ def test_two_groups_take_ddps_steps_and_resume_from_their_checkpoint(world_size_
     checkpointed = sorted(read_state(c).step for c in complete_checkpoints(run_dir))
     assert checkpointed[-1] == steps and all(s % 3 == 0 for s in checkpointed), checkpointed
     assert summary["goodput"]["steps_recomputed"] == 0  # stopped at a checkpoint
+    # Both groups' type and price reach the chief in every step's sum (roster.py).
+    assert summary["per_type"]["cpu"]["workers"] == 2, summary["per_type"]
+    assert summary["per_type"]["cpu"]["usd_per_mtok"] > 0
+    priced = [e for e in read_events(run_dir) if e["event"] == "replica_price"]
+    by_segment = {e["segment"]: (e["price_per_hour"], e["types"]) for e in priced}
+    assert list(by_segment.values()) == [(7.2, ["cpu", "cpu"])] * 2  # each run's latest
+    assert {e["price_per_hour"] for e in priced} <= {3.6, 7.2}  # one group, until both
 
     uri = next(o.split("=", 1)[1] for o in common if o.startswith("tracking.uri="))
     assert_same_step_losses(uri, summary["mlflow_run_id"], reference["mlflow_run_id"], steps)

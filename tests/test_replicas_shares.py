@@ -9,7 +9,7 @@ import pytest
 from raytrain_lm.config import TrainingConfig, load_config
 from raytrain_lm.errors import UserError
 from raytrain_lm.trainer.plan import BatchPlan
-from raytrain_lm.trainer.replicas import check_step_taken, position_checksum
+from raytrain_lm.trainer.roster import check_step_taken, position_checksum
 
 GLOBAL_BATCH = 12
 
@@ -77,3 +77,40 @@ def test_goodput_counts_each_replica_incident_once():
     assert g.replica_stall_s == pytest.approx(4.1)
     assert g.full_strength_s == pytest.approx(20.0 + 10.0)
     assert g.metrics(tokens=0)["goodput/replica_incidents"] == 2
+
+
+@pytest.mark.parametrize(
+    "kinds", [["A100"], ["cpu", "H100"], ["L4", "AMD-Instinct-MI300X-OAM", "T4"]]
+)
+def test_the_participants_types_and_prices_ride_in_the_steps_sum(kinds):
+    """Each participant writes its accelerator type and price into its own slots of the
+    step's summed values: whoever is chief reads every participant's type, in participating
+    rank order, and what they cost together."""
+    from raytrain_lm.trainer.balance import per_type_metrics
+    from raytrain_lm.trainer.roster import read_roster, roster_slots
+
+    prices = [1.5 * (p + 1) for p in range(len(kinds))]
+    slots = [roster_slots(p, len(kinds), kind, prices[p]) for p, kind in enumerate(kinds)]
+    types, price = read_roster(np.sum(slots, axis=0).tolist())
+    assert types == kinds and price == pytest.approx(sum(prices))
+    figures = per_type_metrics(types, [4] * len(kinds), 1000.0, 1e6, {"default": 2.0})
+    assert set(figures) == set(kinds)
+    assert sum(f["tokens_per_s"] for f in figures.values()) == pytest.approx(1000.0)
+
+
+def test_goodput_prices_a_replica_segment_by_the_groups_taking_part():
+    """A replica segment costs what its participating groups cost, as they change: the
+    chief's first `replica_price` from the segment's start, each later one from its time."""
+    from raytrain_lm.trainer.goodput import summarize
+
+    def price(t, usd):
+        return {"event": "replica_price", "t": t, "segment": "s", "price_per_hour": usd}
+
+    start = {"event": "segment_start", "t": 0.0, "segment": "s", "t_start": 0.0,
+             "t_restored": 1.0, "restored_step": 0, "price_per_hour": 1.0}  # fmt: skip
+    end = {"event": "segment_end", "t": 3600.0, "segment": "s", "step": 100, "step_seconds": 1.0}
+    # Two groups at $2/h each from the start; one lost at 1800 s; back at 2700 s.
+    events = [start, price(5.0, 4.0), price(1800.0, 2.0), price(2700.0, 4.0), end]
+    g = summarize(events)
+    assert g.cost == pytest.approx(4.0 * 0.5 + 2.0 * 0.25 + 4.0 * 0.25)
+    assert summarize([start, end]).cost == pytest.approx(1.0)  # restart mode: as before

@@ -17,6 +17,8 @@ previous one lost:
 - `replicas_changed` (each replica group, `scaling.fault_tolerance=replicas`): the number of
   groups taking part changed at `step`; `gap_s` since the group's previous committed step is
   the survivors' stall.
+- `replica_price` (the replica groups' chief): what the groups taking part cost together
+  per hour, from `t` on (each group's `fault.price_per_hour`).
 
 Seconds lost to recovery: from the last progress of one group (or the start of the job that
 resumed it) to the first step of the next. Steps recomputed: how far the previous group got
@@ -185,6 +187,7 @@ def summarize(events: list[dict[str, Any]], now: float | None = None) -> Goodput
     order: list[str] = []
     last_job_start: float | None = None
     previous_end: dict[str, Any] | None = None  # the last closed group's end
+    prices: dict[str, list[dict[str, Any]]] = {}  # replica groups' price changes, by segment
     for e in events:
         kind = e["event"]
         if kind == "job_start":
@@ -200,6 +203,8 @@ def summarize(events: list[dict[str, Any]], now: float | None = None) -> Goodput
         elif kind == "segment_end" and e["segment"] in segments:
             segments[e["segment"]]["end"] = e
             previous_end = e
+        elif kind == "replica_price":
+            prices.setdefault(e["segment"], []).append(e)
     for i, name in enumerate(order):
         seg = segments[name]
         start, end = seg["start"], seg.get("end")
@@ -224,11 +229,27 @@ def summarize(events: list[dict[str, Any]], now: float | None = None) -> Goodput
         until = end["t"] if end is not None else (now if now is not None else start["t"])
         lifetime = max(0.0, until - start["t_start"])
         g.wall_s += lifetime
-        g.cost += lifetime * start.get("price_per_hour", 0.0) / 3600.0
+        g.cost += _segment_cost(start, until, prices.get(name, []))
         if end is not None:
             g.step_s += end["step_seconds"]
     _replica_incidents(g, events, now)
     return g
+
+
+def _segment_cost(start: dict[str, Any], until: float, changes: list[dict[str, Any]]) -> float:
+    """A worker group's lifetime x its hourly price. Replica groups come and go within one
+    segment: its chief records the price of the groups taking part whenever it changes
+    (`replica_price`), the first from the segment's start (its groups started together)."""
+    t, price = start["t_start"], start.get("price_per_hour", 0.0)
+    if changes:
+        price = changes[0]["price_per_hour"]
+    usd = 0.0
+    for change in changes[1:]:
+        if change["t"] >= until:
+            break
+        usd += max(0.0, change["t"] - t) * price / 3600.0
+        t, price = max(t, change["t"]), change["price_per_hour"]
+    return usd + max(0.0, until - t) * price / 3600.0
 
 
 def _replica_incidents(g: Goodput, events: list[dict[str, Any]], now: float | None) -> None:

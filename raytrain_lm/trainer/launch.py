@@ -188,9 +188,15 @@ def _train_until_done(spec: WorkerSpec, callbacks: list | None) -> bool:
     cfg, run_dir = spec.config, spec.run_dir
     append_event(run_dir, "job_start", pid=os.getpid())
     handoffs = 0
+    controller_failed_at: int | None = None  # the newest checkpoint's step at the last one
     with GracefulStop(run_dir, cfg.fault.stop_timeout_s):
         while True:
-            _fit(spec, callbacks)
+            try:
+                _fit(spec, callbacks)
+            except Exception as exc:
+                controller_failed_at = _start_again_after(exc, spec, controller_failed_at)
+                spec = replace(spec, expect_checkpoint=True)
+                continue
             reason = signals.handoff_reason(read_events(run_dir))
             if reason == signals.STOP:
                 return True
@@ -221,6 +227,29 @@ def _train_until_done(spec: WorkerSpec, callbacks: list | None) -> bool:
                 f"{read_state(reached).step}",
                 flush=True,
             )
+
+
+def _start_again_after(exc: Exception, spec: WorkerSpec, failed_at: int | None) -> int:
+    """After Ray Train's controller itself failed (not the training: a worker group that could
+    not be replaced in time when every replica group was lost at once, on a loaded machine),
+    the run starts again from its newest checkpoint, as a restart does; re-raises anything
+    else, and a second such failure with no checkpoint written since. Returns that step."""
+    from ray.train.v2.api.exceptions import ControllerError
+
+    cfg, run_dir = spec.config, spec.run_dir
+    reached = latest_complete_checkpoint(run_dir)
+    if not isinstance(exc, ControllerError) or reached is None or _interrupted():
+        raise exc
+    step = read_state(reached).step
+    if step >= end_step(cfg.training) or (failed_at is not None and step <= failed_at):
+        raise exc
+    append_event(run_dir, "controller_failed", step=step, error=str(exc).splitlines()[0][:200])
+    print(
+        f"[raytrain-lm] Ray Train's controller failed ({type(exc.controller_failure).__name__}); "
+        f"restarting from the checkpoint at step {step}",
+        flush=True,
+    )
+    return step
 
 
 def _publish(spec: WorkerSpec, tracker, started: float, stopped: bool) -> dict[str, Any]:

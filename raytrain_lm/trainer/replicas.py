@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import threading
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -40,9 +39,10 @@ import torch
 from raytrain_lm.errors import UserError
 from raytrain_lm.tracking import Tracker
 from raytrain_lm.trainer import faults, hardware, signals
-from raytrain_lm.trainer.balance import type_weights
+from raytrain_lm.trainer.balance import per_type_metrics, type_weights
 from raytrain_lm.trainer.cadence import Flags
 from raytrain_lm.trainer.checkpoint import TrainState, latest_complete_checkpoint, read_state
+from raytrain_lm.trainer.chief_uploads import ChiefUploads
 from raytrain_lm.trainer.plan import BatchPlan, learning_rate
 from raytrain_lm.trainer.progress import ProgressBar, announce
 from raytrain_lm.trainer.quorum import (
@@ -53,32 +53,19 @@ from raytrain_lm.trainer.quorum import (
     Quorum,
     TooFewReplicas,
 )
+from raytrain_lm.trainer.roster import (
+    SLOTS_PER_PARTICIPANT,
+    check_step_taken,
+    position_checksum,
+    read_roster,
+    roster_slots,
+)
 from raytrain_lm.trainer.step import StepParts, accumulate_gradients, apply_update, step_seed
 from raytrain_lm.trainer.worker import Worker
 
 if TYPE_CHECKING:
     from raytrain_lm.trainer.loop import RaySide
     from raytrain_lm.trainer.spec import WorkerSpec
-
-_LOW_BITS = 1023  # positions' low bits: their squares sum exactly in float64
-
-
-def position_checksum(taken: np.ndarray) -> list[float]:
-    """What a participant reports of the positions it took: their count, their sum and the sum
-    of their low bits' squares (exact in float64 for any run's positions), summed over the
-    participants with the loss."""
-    return [float(len(taken)), float(taken.sum()), float(((taken & _LOW_BITS) ** 2).sum())]
-
-
-def check_step_taken(step: int, global_batch: int, checksum: list[float]) -> None:
-    """The participants of committed step `step + 1` took its positions, each exactly once."""
-    g = global_batch
-    wanted = position_checksum(np.arange(step * g, (step + 1) * g, dtype=np.int64))
-    if checksum != wanted:
-        raise RuntimeError(
-            f"step {step + 1}: the participants took positions {checksum} (count, sum, "
-            f"squares), not the step's {wanted}"
-        )
 
 
 class ReplicaWorker(Worker):
@@ -96,7 +83,12 @@ class ReplicaWorker(Worker):
         self.whole_step: tuple[int, np.ndarray, np.ndarray] | None = None
         self.stop_seen = False
         self.leaving = False
-        self.uploads: list[threading.Thread] = []
+        self.uploads = ChiefUploads(self._upload, spec.reports)
+        # Who took part in the latest step (roster.py): their types, and their price summed.
+        self.participant_types: list[str] = []
+        self.price_seen: float | None = None
+        my_price = hardware.by_accelerator_type(spec.config.fault.price_per_hour, self.types[0])
+        self.my_price = my_price or 0.0
 
     @property
     def is_chief(self) -> bool:
@@ -128,6 +120,8 @@ class ReplicaWorker(Worker):
             "unlogged": self.pending.snapshot(),  # the healed group may be the next chief
             "participants": self.seen_participants,
             "segment": self.segment,  # one worker group's life, for goodput, whoever writes
+            "price_seen": self.price_seen,
+            "throughput": vars(self.throughput).copy(),  # the summary's, whoever is chief
         }
 
     def _from_peer(self, state: dict[str, Any]) -> None:
@@ -142,6 +136,8 @@ class ReplicaWorker(Worker):
         self.pending.adopt(state["unlogged"], self.device)
         self.seen_participants = state["participants"]
         self.segment = state["segment"]
+        self.price_seen = state["price_seen"]
+        self.peer_throughput = state["throughput"]
         self.healed_at = time.time()
 
     def _digest(self) -> dict[str, str]:
@@ -179,6 +175,12 @@ class ReplicaWorker(Worker):
             where = f"{os.environ.get(LIGHTHOUSE_ENV, '')}:{self.state.step}"
             self.segment = hashlib.sha256(where.encode()).hexdigest()[:12]
         self.throughput = type(self.throughput)(first_step=self.state.step)
+        self._adopt_peer_throughput()
+
+    def _adopt_peer_throughput(self) -> None:
+        if getattr(self, "peer_throughput", None) is not None:
+            vars(self.throughput).update(self.peer_throughput)
+            self.peer_throughput = None
 
     def _run_already_done(self) -> bool:
         """A replacement group that starts after the others finished has nothing to join."""
@@ -237,8 +239,7 @@ class ReplicaWorker(Worker):
                 self._checkpoint_now()
             self._event(signals.REPLICAS_TOO_FEW, group=self.group, step=self.state.step,
                         reason=str(exc))  # fmt: skip
-        for upload in self.uploads:
-            upload.join()
+        self.uploads.join()
         self.quorum.manager.shutdown(wait=False)
         if self.leaving and self.participants > 1:
             self.participant = None  # the others go on: it is chief no more
@@ -262,6 +263,7 @@ class ReplicaWorker(Worker):
                 self.participant, self.participants = self.quorum.form()
             self.quorum_formed = False
             if state.step != before:  # healed from a peer that was ahead: read from there on
+                self._adopt_peer_throughput()
                 self.batches.close()
                 self.batches = batches = self._batches()
             if self.whole_step is None or self.whole_step[0] != state.step:
@@ -284,7 +286,8 @@ class ReplicaWorker(Worker):
             loss = accumulate_gradients(step_parts, tokens[mine])
             taken = positions[mine]
             stop = float(self.is_chief and self._stop_due())
-            host = torch.tensor([*position_checksum(taken), stop], dtype=torch.float64)
+            roster = roster_slots(p, self.participants, self.types[0], self.my_price)
+            host = torch.tensor([*position_checksum(taken), stop, *roster], dtype=torch.float64)
             values = torch.cat([loss.double().reshape(1), host.to(self.device)])
             # No DDP (a process group of one): the groups' gradients are reduced here.
             sums = self.quorum.reduce_step(self.model, values)
@@ -292,11 +295,14 @@ class ReplicaWorker(Worker):
             if committed:
                 break
             announce(f"step {state.step + 1} did not commit (a group was lost): taking it again")
-        global_loss, *checksum, stops = sums.tolist()
+        summed = sums.tolist()
+        roster = summed[len(summed) - SLOTS_PER_PARTICIPANT * self.participants :]
+        global_loss, *checksum, stops = summed[: len(summed) - len(roster)]
         check_step_taken(state.step, plan.global_batch, checksum)
         self._note_membership(state.step + 1)
         self.stop_seen = stops > 0
         state.step += 1
+        self._note_roster(roster)
         state.tokens += self.tokens_per_step
         state.position += plan.global_batch
         if cfg.training.ledger:
@@ -350,8 +356,26 @@ class ReplicaWorker(Worker):
         return super()._batches(WorkerSlice(0, 1, g))  # every group reads whole steps
 
     def _per_type(self, tokens_per_s: float) -> dict[str, dict[str, float]]:
-        # The groups' types are not gathered (balance weights are): counted as this one's.
-        return super()._per_type(tokens_per_s) if self.participants == 1 else {}
+        if len(self.participant_types) != len(self.plan.shares):  # before the first step
+            return super()._per_type(tokens_per_s) if self.participants == 1 else {}
+        return per_type_metrics(
+            self.participant_types,
+            self.plan.shares,
+            tokens_per_s,
+            self.flops_per_token,
+            self.cfg.fault.price_per_hour,
+        )
+
+    def _note_roster(self, slots: list[float]) -> None:
+        """The step's participants' types; and, when what they cost together changed, an
+        event from which goodput prices this segment from then on."""
+        self.participant_types, price = read_roster(slots)
+        if price != self.price_seen and self.is_chief:
+            event = self._event("replica_price", segment=self.segment, step=self.state.step,
+                                price_per_hour=price, types=self.participant_types)  # fmt: skip
+            if self.events:  # the segment's own chief: its live goodput reads them
+                self.events.append(event)
+        self.price_seen = price
 
     def _plan(self) -> BatchPlan:
         """This step's shares of the global batch over its participants: equal, or by the
@@ -436,46 +460,8 @@ class ReplicaWorker(Worker):
         super()._report_checkpoint(final)
 
     def _publish_checkpoint(self, report: dict[str, float], local: Path | None, wait: bool) -> None:
-        if local is None:
-            return
-        name = f"checkpoint_{self.state.step:09d}"
-        previous = self.uploads[-1] if self.uploads else None
-        if wait:
-            for upload in self.uploads:
-                upload.join()
-            self._upload_and_report(local, name, report, None)
-            return
-        upload = threading.Thread(
-            target=self._upload_and_report,
-            args=(local, name, report, previous),
-            name="upload",
-            daemon=True,
-        )
-        upload.start()
-        self.uploads = [u for u in self.uploads if u.is_alive()] + [upload]
-
-    def _upload_and_report(
-        self, local: Path, name: str, report: dict[str, float], previous: threading.Thread | None
-    ) -> None:
-        """Uploads a checkpoint; in a sweep trial, then hands its report to Tune, after the
-        previous checkpoint's (Tune takes a trial's reports in step order)."""
-        import shutil
-
-        try:
-            location = self._upload(local, name)
-        except OSError as exc:
-            announce(f"checkpoint {name} was not uploaded: {exc}")
-            return
-        finally:
-            shutil.rmtree(local, ignore_errors=True)
-        if self.spec.reports is None:
-            return
-        from raytrain_lm.sweeps.trial import POINTER_FILE
-
-        if previous is not None:
-            previous.join()
-        # Blocks until the trial took the previous report, as ReportToTune's put does.
-        self.spec.reports.put({**report, POINTER_FILE: location})
+        if local is not None:
+            self.uploads.publish(local, f"checkpoint_{self.state.step:09d}", report, wait)
 
     def _heartbeat(self) -> None:
         if self.is_chief:

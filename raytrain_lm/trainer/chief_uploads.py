@@ -1,0 +1,59 @@
+"""The replica groups' chief uploads its checkpoints itself (trainer/replicas.py): replica
+groups report nothing to Ray Train, whose report waits for every worker. Periodic uploads run
+on background threads, one after another; in a sweep trial each checkpoint's report goes to
+Tune after its upload, in step order (Tune takes a trial's reports in that order)."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from raytrain_lm.trainer.progress import announce
+
+
+class ChiefUploads:
+    def __init__(self, upload: Callable[[Path, str], str], reports: Any | None):
+        self.upload = upload  # (local folder, name) -> where it went
+        self.reports = reports  # the trial's queue to Tune, in a sweep
+        self.threads: list[threading.Thread] = []
+
+    def publish(self, local: Path, name: str, report: dict[str, float], wait: bool) -> None:
+        previous = self.threads[-1] if self.threads else None
+        if wait:
+            self.join()
+            self._upload_and_report(local, name, report, None)
+            return
+        thread = threading.Thread(
+            target=self._upload_and_report,
+            args=(local, name, report, previous),
+            name="upload",
+            daemon=True,
+        )
+        thread.start()
+        self.threads = [t for t in self.threads if t.is_alive()] + [thread]
+
+    def join(self) -> None:
+        for thread in self.threads:
+            thread.join()
+
+    def _upload_and_report(
+        self, local: Path, name: str, report: dict[str, float], previous: threading.Thread | None
+    ) -> None:
+        try:
+            location = self.upload(local, name)
+        except OSError as exc:
+            announce(f"checkpoint {name} was not uploaded: {exc}")
+            return
+        finally:
+            shutil.rmtree(local, ignore_errors=True)
+        if self.reports is None:
+            return
+        from raytrain_lm.sweeps.trial import POINTER_FILE
+
+        if previous is not None:
+            previous.join()
+        # Blocks until the trial took the previous report, as ReportToTune's put does.
+        self.reports.put({**report, POINTER_FILE: location})
