@@ -17,16 +17,18 @@ from raytrain_lm.trainer.checkpoint import complete_checkpoints, read_state
 from raytrain_lm.trainer.goodput import read_events
 
 
-def test_two_groups_take_ddps_steps_and_resume_from_their_checkpoint(world_size_runs, tmp_path):
-    """Two replica groups (one worker each, a quorum every step) stop at step 6 and resume
-    from their checkpoint: every step's loss equals the 2-worker DDP run's within 1e-5 (fp32;
-    the gradients are reduced by torchft, not DDP), the ledger holds every position once, each
-    step is logged once by one writer, and the checkpoints are those of a DDP run."""
+def test_two_groups_take_ddps_steps_and_resume_from_their_checkpoint(world_size_runs, s3):
+    """Two replica groups (one worker each, a quorum every step), their run in a bucket, stop
+    at step 6 and resume from their checkpoint there: every step's loss equals the 2-worker
+    DDP run's within 1e-5 (fp32; the gradients are reduced by torchft, not DDP), the ledger
+    holds every position once, each step is logged once by one writer, and the checkpoints
+    are those of a DDP run."""
     common, reference = world_size_runs["common"], world_size_runs["reference"]
     steps = reference["steps"]
+    bucket = s3.new_bucket()
     overrides = [
         *common,
-        f"output_dir={tmp_path / 'runs'}",
+        f"output_dir={bucket}/runs",
         "name=replicas",
         "scaling.fault_tolerance=replicas",
         "scaling.num_workers=2",
@@ -39,7 +41,7 @@ def test_two_groups_take_ddps_steps_and_resume_from_their_checkpoint(world_size_
     summary = raytrain_lm.train(load_config(None, overrides), sample=False)
     assert summary["steps"] == steps and not summary["stopped"]
 
-    run_dir = tmp_path / "runs" / "replicas"
+    run_dir = f"{bucket}/runs/replicas"
     assert read_ledger(run_dir).tolist() == list(range(steps * 12))
     starts = [e for e in read_events(run_dir) if e["event"] == "replica_start"]
     assert sorted((e["step"], e["group"]) for e in starts) == [(0, 0), (0, 1), (6, 0), (6, 1)]
