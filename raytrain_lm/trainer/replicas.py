@@ -39,7 +39,7 @@ import torch
 from raytrain_lm.errors import UserError
 from raytrain_lm.tracking import Tracker
 from raytrain_lm.trainer import faults, hardware, signals
-from raytrain_lm.trainer.balance import per_type_metrics, type_weights
+from raytrain_lm.trainer.balance import type_weights
 from raytrain_lm.trainer.cadence import Flags
 from raytrain_lm.trainer.checkpoint import TrainState, latest_complete_checkpoint, read_state
 from raytrain_lm.trainer.chief_uploads import ChiefUploads
@@ -87,6 +87,7 @@ class ReplicaWorker(Worker):
         # Who took part in the latest step (roster.py): their types, and their price summed.
         self.participant_types: list[str] = []
         self.price_seen: float | None = None
+        self.peer_throughput: dict[str, Any] | None = None  # a healed group's, to adopt
         my_price = hardware.by_accelerator_type(spec.config.fault.price_per_hour, self.types[0])
         self.my_price = my_price or 0.0
 
@@ -178,7 +179,7 @@ class ReplicaWorker(Worker):
         self._adopt_peer_throughput()
 
     def _adopt_peer_throughput(self) -> None:
-        if getattr(self, "peer_throughput", None) is not None:
+        if self.peer_throughput is not None:
             vars(self.throughput).update(self.peer_throughput)
             self.peer_throughput = None
 
@@ -355,16 +356,10 @@ class ReplicaWorker(Worker):
         g = self.cfg.training.global_batch_size
         return super()._batches(WorkerSlice(0, 1, g))  # every group reads whole steps
 
-    def _per_type(self, tokens_per_s: float) -> dict[str, dict[str, float]]:
-        if len(self.participant_types) != len(self.plan.shares):  # before the first step
-            return super()._per_type(tokens_per_s) if self.participants == 1 else {}
-        return per_type_metrics(
-            self.participant_types,
-            self.plan.shares,
-            tokens_per_s,
-            self.flops_per_token,
-            self.cfg.fault.price_per_hour,
-        )
+    def _types_of_shares(self) -> list[str]:
+        if len(self.participant_types) == len(self.plan.shares):  # the step's (roster.py)
+            return self.participant_types
+        return self.types if self.participants == 1 else []  # before the first step
 
     def _note_roster(self, slots: list[float]) -> None:
         """The step's participants' types; and, when what they cost together changed, an

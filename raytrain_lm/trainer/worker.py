@@ -392,13 +392,20 @@ class Worker(Rebalancing, Endings):
         return metrics
 
     def _per_type(self, tokens_per_s: float) -> dict[str, dict[str, float]]:
+        types = self._types_of_shares()
+        if len(types) != len(self.plan.shares):
+            return {}
         return per_type_metrics(
-            self.types,
+            types,
             self.plan.shares,
             tokens_per_s,
             self.flops_per_token,
             self.cfg.fault.price_per_hour,
         )
+
+    def _types_of_shares(self) -> list[str]:
+        """The accelerator type of each share of the plan, in order."""
+        return self.types
 
     def _live_goodput(self) -> dict[str, float]:
         live = summarize(self.events, time.time())
