@@ -238,7 +238,7 @@ def _start_again_after(exc: Exception, spec: WorkerSpec, failed_at: int | None) 
 
     cfg, run_dir = spec.config, spec.run_dir
     reached = latest_complete_checkpoint(run_dir)
-    if not isinstance(exc, ControllerError) or reached is None or _interrupted():
+    if not isinstance(exc, ControllerError) or reached is None:
         raise exc
     step = read_state(reached).step
     if step >= end_step(cfg.training) or (failed_at is not None and step <= failed_at):
