@@ -14,18 +14,24 @@ uploaded and restored as a run does (trainer/sharded.py, checkpoint.py, restore.
     the resumed losses against the uninterrupted ones, and the host's waits for the device at
     the steady steps that read nothing, counted by our counter (reads from our code) and by
     torch.cuda.set_sync_debug_mode (every synchronization torch makes);
-(d) peak GPU memory of each.
+(d) the Llama of (b) under hsdp: a 2-D mesh, replicas x shard groups of half the ranks
+    (1 x 1 on one GPU: NCCL, the bf16 gather and the per-block compile all the same);
+(e) the Llama of (b) with tensor_parallel=2 beneath fsdp, where there are 2 GPUs or more;
+    (d) and (e) take (b)'s batches from the same weights: their losses against (b)'s;
+(f) peak GPU memory of each.
 
 The JSON file is written after every part (a part that fails records its error and the next
 one runs); one line per part is printed. One process per GPU: run plainly for one GPU, or
-under `torchrun --nproc-per-node N` for N. `--dry-run`: the same code on CPU at toy sizes,
-what `make test` runs. See benchmarks/gpu_check.sh and docs/benchmarks.md.
+under `torchrun --nproc-per-node N` for N (gpu_check.sh --nproc-per-node N). `--dry-run`: the
+same code on CPU at toy sizes, what `make test` runs. `--parts`: only those named. See
+benchmarks/gpu_check.sh and docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import tempfile
@@ -37,7 +43,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-from gpu_mfu import plain_loop
+from gpu_mfu import plain_loop, shard_over_mesh
 from gpu_wheels import DEVICE_MODULES, carried_modules
 
 from raytrain_lm.config import ModelConfig, TrainingConfig
@@ -46,7 +52,8 @@ from raytrain_lm.trainer import hardware
 from raytrain_lm.trainer.checkpoint import TrainState, upload_checkpoint
 from raytrain_lm.trainer.collectives import FlagChannel
 from raytrain_lm.trainer.faults import SyncCounter
-from raytrain_lm.trainer.parallel import replicate_model, shard_model
+from raytrain_lm.trainer.mesh import Layout
+from raytrain_lm.trainer.parallel import replicate_model
 from raytrain_lm.trainer.pending import PendingSteps
 from raytrain_lm.trainer.plan import BatchPlan, learning_rate
 from raytrain_lm.trainer.recompute import apply_activation_checkpointing
@@ -94,6 +101,13 @@ class Setup:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         self.bf16 = hardware.use_bf16(self.device, "auto")
         self.compile = hardware.use_compile(self.device, "auto")
+        self.fsdp_losses: dict[int, float] = {}  # part (b)'s, for (d) and (e) to compare
+
+    @property
+    def compiles_blocks(self) -> bool:
+        """Whether (d) and (e) compile each block: where a run would (a GPU), and in a dry run
+        of one process (CPU inductor; several compiling at once on a few cores take minutes)."""
+        return self.compile or (self.dry_run and self.world == 1)
 
     def model_config(self, name: str) -> ModelConfig:
         return ModelConfig(**(TOY_SHAPES if self.dry_run else SHAPES)[name])
@@ -130,7 +144,8 @@ class OurLoop:
     """Our training step as the worker loop drives it (trainer/loop.py, `_take_step` and
     `_read_pending`): a seed and a learning rate per step, `train_step` on this rank's share,
     the loss and grad norm queued on the device, the stop flags shared, values read only at
-    steps that log."""
+    steps that log. Sharded (fsdp, hsdp) as the worker does it: its rank layout and meshes,
+    a tensor-parallel group reading one share of the data together."""
 
     def __init__(
         self,
@@ -141,14 +156,19 @@ class OurLoop:
         strategy: str,
         compile_model: bool,
         activation_checkpointing: str = "none",
+        shard_size: int | None = None,
+        tensor_parallel: int = 1,
     ):
         self.setup, self.strategy = setup, strategy
         device = setup.device
         torch.manual_seed(SEED)
         self.raw = build_model(model_cfg, model_cfg.vocab_size).to(device)
         apply_activation_checkpointing(self.raw, activation_checkpointing)
-        if strategy == "fsdp":
-            shard_model(self.raw, device, setup.world, setup.bf16, compile_blocks=compile_model)
+        self.layout = Layout("ddp", setup.world, 1, 1, tuple(range(setup.world)))
+        if strategy != "ddp":
+            self.layout = shard_over_mesh(
+                self.raw, device, strategy, setup.bf16, compile_model, shard_size, tensor_parallel
+            )
             model = self.raw
         else:
             model = replicate_model(self.raw, device, setup.world)
@@ -158,11 +178,12 @@ class OurLoop:
             self.raw.optimizer_groups(0.1), 6e-4, (0.9, 0.95), device
         )
         training = TrainingConfig(global_batch_size=global_batch, micro_batch_size=micro_batch)
-        self.plan = BatchPlan.derive(training, setup.world)
+        self.data_rank = self.layout.data_rank(setup.rank)
+        self.plan = BatchPlan.derive(training, self.layout.data_world)
         self.parts = StepParts(
-            model, self.raw, self.optimizer, self.plan, setup.rank, device, setup.bf16, 1.0
+            model, self.raw, self.optimizer, self.plan, self.data_rank, device, setup.bf16, 1.0
         )
-        self.pending = PendingSteps(setup.world)
+        self.pending = PendingSteps(setup.world, loss_copies=self.layout.tensor)
         self.flags = FlagChannel(device, 300.0)
         self.step = 0
         self.losses: dict[int, float] = {}
@@ -172,12 +193,12 @@ class OurLoop:
     def batches(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         shape = self.raw.shape
         return synthetic_batches(
-            shape.vocab_size, shape.block_size, self.plan, self.setup.rank, self.step
+            shape.vocab_size, shape.block_size, self.plan, self.data_rank, self.step
         )
 
     def run(self, batches, to_step: int, read_every: int) -> None:
         while self.step < to_step:
-            torch.manual_seed(step_seed(SEED, self.step, self.setup.rank))
+            torch.manual_seed(step_seed(SEED, self.step, self.data_rank))
             lr = learning_rate(self.step, 6e-4, 6e-5, 10, 50)
             result = train_step(self.parts, batches, lr)
             self.step += 1
@@ -236,21 +257,66 @@ def part_a(setup: Setup) -> dict:
     }
 
 
-def part_b(setup: Setup) -> dict:
-    """A Llama of about 350M parameters under FSDP2 on the GPU(s)."""
+def _llama_sharded(
+    setup: Setup, strategy: str, compile_model: bool, **mesh
+) -> tuple[OurLoop, dict]:
+    """A Llama of about 350M parameters under `strategy` over the mesh `mesh` describes
+    (shard_size, tensor_parallel), (b)'s global batch from the same weights: tokens/s, MFU."""
     cfg = setup.model_config("llama_350m")
     setup.fresh_memory()
     micro = 2 if setup.dry_run else 8
     warmup, steps = (2, 4) if setup.dry_run else (8, 20)
-    loop = OurLoop(setup, cfg, 4 * micro * setup.world, micro, "fsdp", setup.compile)
+    loop = OurLoop(setup, cfg, 4 * micro * setup.world, micro, strategy, compile_model, **mesh)
     figures = loop.figures(loop.timed(warmup, steps, read_every=10))
-    return {
+    return loop, {
+        "mesh": loop.layout.describe(),
         "params_M": round(loop.raw.num_params(non_embedding=False) / 1e6, 1),
         **figures,
         "steps": steps,
         "peak_memory_GiB": setup.peak_memory_gib(),
-        "compiled": setup.compile,
+        "compiled": compile_model,
     }
+
+
+def _against_fsdp(setup: Setup, loop: OurLoop) -> dict:
+    """`loop`'s losses against (b)'s, where (b) ran: the same sum over the same batches from
+    the same weights, computed over another mesh (within float error: 1e-4 in fp32 on CPU;
+    1e-1 in bf16 with other kernels, reductions and compiled graphs)."""
+    losses = loop.losses
+    ok = all(math.isfinite(v) for v in losses.values())
+    gap = None
+    if setup.fsdp_losses:
+        gap = max(abs(losses[s] - fsdp) for s, fsdp in setup.fsdp_losses.items())
+        ok = ok and gap <= (1e-4 if setup.device.type == "cpu" else 1e-1)
+    return {"loss_at_end": round(losses[loop.step], 4), "loss_gap_to_fsdp": gap, "ok": ok}
+
+
+def part_b(setup: Setup) -> dict:
+    """A Llama of about 350M parameters under FSDP2 on the GPU(s)."""
+    loop, result = _llama_sharded(setup, "fsdp", setup.compile)
+    setup.fsdp_losses = dict(loop.losses)
+    return result
+
+
+def part_d(setup: Setup) -> dict:
+    """(b)'s Llama under hsdp: a 2-D mesh, replicas x shard groups of half the ranks (on one
+    GPU, 1 x 1: still NCCL, the bf16 gather and the per-block compile), compiled as a run
+    on a GPU compiles it (`Setup.compiles_blocks`); its losses against (b)'s."""
+    shard_size = setup.world // 2 if setup.world % 2 == 0 else None  # None: a node's ranks
+    loop, result = _llama_sharded(setup, "hsdp", setup.compiles_blocks, shard_size=shard_size)
+    return result | _against_fsdp(setup, loop)
+
+
+def part_e(setup: Setup) -> dict:
+    """(b)'s Llama with each block split over tensor-parallel pairs of GPUs (trainer/
+    tensor_parallel.py), fsdp over the pairs, compiled as (d); its losses against (b)'s."""
+    if setup.world < 2 or setup.world % 2:
+        return {
+            "skipped": f"tensor_parallel=2 needs an even number of GPUs, at least 2, one "
+            f"process each; this check runs {setup.world} (gpu_check.sh --nproc-per-node N)"
+        }
+    loop, result = _llama_sharded(setup, "fsdp", setup.compiles_blocks, tensor_parallel=2)
+    return result | _against_fsdp(setup, loop)
 
 
 def part_c(setup: Setup, workdir: Path) -> dict:
@@ -339,12 +405,36 @@ def unexpected_imports() -> list[str]:
     return sorted(unexpected)
 
 
+PARTS = {
+    "a_gpt2_124m": part_a,
+    "b_llama_fsdp": part_b,
+    "c_checkpoint": part_c,
+    "d_llama_hsdp": part_d,
+    "e_llama_tensor_parallel": part_e,
+}
+
+
+def _chosen(name: str, wanted: str | None) -> bool:
+    return wanted is None or any(w.strip() in (name, name[0]) for w in wanted.split(","))
+
+
+def _passed(name: str, result: dict) -> bool:
+    """No error, every `ok` it reports holds; (c) must have run (not skipped) and hold."""
+    if "error" in result or result.get("ok") is False:
+        return False
+    return bool(result.get("ok")) if name == "c_checkpoint" else True
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dry-run", action="store_true", help="CPU, toy sizes: the same code paths")
     p.add_argument("--out", default="gpu_check.json", help="where to write the results")
     p.add_argument("--budget-s", type=float, default=BUDGET_S, help="parts start only within it")
+    p.add_argument("--parts", help="only these, comma-separated (names or letters: b,d,e)")
     args = p.parse_args(argv)
+    parts = [(name, part) for name, part in PARTS.items() if _chosen(name, args.parts)]
+    if not parts:
+        p.error(f"--parts {args.parts}: none of {', '.join(PARTS)}")
     started = time.time()
     out = Path(args.out)
     results: dict = {"dry_run": args.dry_run, "torch": torch.__version__}
@@ -362,7 +452,6 @@ def main(argv: list[str] | None = None) -> int:
     results["device"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     results["world_size"] = setup.world
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as scratch:
-        parts = (("a_gpt2_124m", part_a), ("b_llama_fsdp", part_b), ("c_checkpoint", part_c))
         for name, part in parts:
             t0 = time.time()
             if t0 - started > args.budget_s:
@@ -379,8 +468,9 @@ def main(argv: list[str] | None = None) -> int:
                 out.write_text(json.dumps(results, indent=2) + "\n")
     results["unexpected_imports"] = unexpected_imports()
     results["wall_s"] = round(time.time() - started, 1)
-    ok = results.get("c_checkpoint", {}).get("ok") and not results["unexpected_imports"]
-    ok = ok and not any("error" in results[name] for name, _ in parts)
+    ok = not results["unexpected_imports"] and all(
+        _passed(name, results[name]) for name, _ in parts
+    )
     if setup.rank == 0:
         out.write_text(json.dumps(results, indent=2) + "\n")
         print(f"gpu_check: wrote {out} ({results['wall_s']} s); ok: {bool(ok)}", flush=True)

@@ -82,15 +82,16 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, C = x.size()
-        # (B, T, heads * hs) -> (B, heads, T, hs)
-        q = self.q_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        # (B, T, heads * hs) -> (B, heads, T, hs). Heads are counted from the projections'
+        # outputs: under tensor parallelism each rank holds only its own heads' columns.
+        q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         y = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, enable_gqa=self.n_kv_head != self.n_head
         )  # (B, nh, T, hs)
-        y = y.transpose(1, 2).contiguous().view(B, T, self.n_head * self.head_dim)
+        y = y.transpose(1, 2).contiguous().view(B, T, -1)
         return self.o_proj(y)
 
 

@@ -137,9 +137,10 @@ def test_drain_writes_a_just_in_time_checkpoint_and_loses_no_step(
     """c. a spot notice (drain with the preemption reason and a deadline): a just-in-time
     checkpoint is written at once and the next worker group starts from exactly that step, on
     the nodes that stay, while the drained node is still up: with the default worker-start
-    timeout (10 minutes), the restart does not ask for a worker it cannot place. The run is
-    sharded (FSDP): the just-in-time checkpoint is every rank's shards, written by 3 workers
-    and loaded by 2."""
+    timeout (10 minutes), the restart does not ask for a worker it cannot place. The run is a
+    llama sharded with hsdp over nodes of one worker each (mesh.py's rule: shard groups of
+    the nodes' common worker count, here 1, so 3 replicas, then 2): the just-in-time
+    checkpoint is every rank's DCP shards, written by 3 workers and loaded by 2."""
     steps = 250  # the notice comes about 60 steps in; the rest show the smaller group trains on
     run_dir = tmp_path / "runs" / "drain"
     overrides = [
@@ -150,7 +151,8 @@ def test_drain_writes_a_just_in_time_checkpoint_and_loses_no_step(
         f"training.max_steps={steps}",
         "checkpoint.every_steps=1000",  # the periodic checkpoint would lose many steps
         "fault.worker_start_timeout_s=600",  # the default: a wrongly sized restart waits it out
-        "parallel.strategy=fsdp",
+        "model.arch=llama",
+        "parallel.strategy=hsdp",
     ]
     monkeypatch.setenv(faults.ENV_VAR, "slow-steps:seconds=0.05")
     run = Background(lambda: _train(overrides))
@@ -174,7 +176,9 @@ def test_drain_writes_a_just_in_time_checkpoint_and_loses_no_step(
     assert resumed["restored_step"] == notice["step"]  # the just-in-time checkpoint
     assert resumed["world_size"] == 2  # nothing lands on the draining node
     jit = [c for c in complete_checkpoints(run_dir) if read_state(c).step == notice["step"]]
-    assert jit and read_state(jit[0]).world_size == 3 and read_state(jit[0]).strategy == "fsdp"
+    assert jit and read_state(jit[0]).world_size == 3 and read_state(jit[0]).strategy == "hsdp"
+    for segment in segments(run_dir):  # one worker per node: replicas only, never across
+        assert segment["layout"] == f"hsdp: mesh {segment['world_size']} (replicate) x 1 (shard)"
     # Well under the start timeout (here it takes ~30 s; a loaded CI machine is slower).
     assert first_step["t"] - notice["t"] < 300, first_step["t"] - notice["t"]
     cluster.kill_node(node)  # the cloud takes the machine at its deadline

@@ -44,6 +44,9 @@ def test_overrides_are_typed():
     assert parse_override("data.sources=[a, b]") == (["data", "sources"], ["a", "b"])
 
 
+LLAMA_TP = ["model.arch=llama", "parallel.strategy=fsdp"]  # where tensor parallelism applies
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [
@@ -60,6 +63,44 @@ def test_overrides_are_typed():
         # Two ranks on one GPU (NCCL: duplicate GPU), or a second GPU no rank uses.
         (["scaling.gpus_per_worker=0.5"], "each worker trains on exactly one GPU"),
         (["scaling.gpus_per_worker=2"], "each worker trains on exactly one GPU"),
+        (["parallel.strategy=zero"], "invalid value for 'parallel.strategy'"),
+        (["parallel.shard_size=2"], "applies to parallel.strategy=hsdp, not ddp"),
+        (["parallel.tensor_parallel=2"], "parallel.tensor_parallel needs model.arch=llama"),
+        (
+            ["model.arch=llama", "parallel.tensor_parallel=2"],
+            "composes with parallel.strategy=fsdp or hsdp, not ddp",
+        ),
+        (
+            [
+                *LLAMA_TP,
+                "model.n_head=6",
+                "model.n_embd=96",
+                "parallel.tensor_parallel=4",
+                "scaling.num_workers=4",
+            ],
+            "parallel.tensor_parallel=4 does not divide model.n_head (6)",
+        ),
+        (
+            [
+                *LLAMA_TP,
+                "parallel.tensor_parallel=2",
+                "scaling.min_workers=2",
+                "scaling.max_workers=4",
+            ],
+            "scaling allows 3 workers, which do not split into groups of 2",
+        ),
+        (
+            ["parallel.strategy=hsdp", "parallel.shard_size=2", "scaling.num_workers=3"],
+            "every worker count the run may take must be a multiple of 2",
+        ),
+        (
+            [*LLAMA_TP, "parallel.tensor_parallel=2", "scaling.balance={cpu: 1}"],
+            "scaling.balance splits batches by rank: not with tensor_parallel",
+        ),
+        (
+            ["scaling.fault_tolerance=replicas", "parallel.strategy=hsdp"],
+            "keeps a whole model in every group",
+        ),
     ],
 )
 def test_config_errors_name_the_key(overrides, message):

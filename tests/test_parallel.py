@@ -5,40 +5,22 @@ sharded checkpoints) is in test_training.py."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 from support import parallel_check
+from support.gloo_ranks import run_ranks
 
-from raytrain_lm.runtime import free_port
 from raytrain_lm.trainer.checkpoint import file_listing
 from raytrain_lm.trainer.parallel import MemoryEstimate, check_fits, choose_strategy
 from raytrain_lm.trainer.sharded import consolidated_weights, is_sharded_checkpoint
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory) -> dict:
     """One job of 2 ranks runs every strategy for both architectures (see parallel_check)."""
-    out = tmp_path_factory.mktemp("parallel")
-    port = str(free_port())
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": "2"}
-    ranks = [
-        subprocess.Popen(
-            [sys.executable, "-m", "support.parallel_check", str(out)],
-            cwd=REPO / "tests",
-            env={**env, "RANK": str(rank)},
-        )
-        for rank in range(2)
-    ]
-    assert [p.wait(timeout=300) for p in ranks] == [0, 0]
-    return {"out": out, **json.loads((out / "rank0.json").read_text())}
+    return run_ranks("parallel_check", tmp_path_factory.mktemp("parallel"), world=2)
 
 
 @pytest.mark.parametrize("arch", parallel_check.ARCHS)

@@ -300,9 +300,9 @@ def test_a_pbt_sweep_keeps_everything_in_a_bucket(
     S3-protocol server): the sweep's record, Tune's state, the trials' run directories,
     checkpoints and starts, and the report are objects there; the checkpoint is copied bucket
     to bucket; `sweep report` reads the sweep back from the bucket; and no local runs/ or data/
-    folder appears. The trials are sharded (FSDP): each rank uploads its own shards into the
-    bucket, and the adopted checkpoint is such a set. (Local sweeps: the ASHA test; adoption
-    shares its code with them.)"""
+    folder appears. The trials are sharded (hsdp; on one node one shard group of 2): each rank
+    uploads its own shards into the bucket, and the adopted checkpoint is such a set. (Local
+    sweeps: the ASHA test; adoption shares its code with them.)"""
     bucket = s3.new_bucket("sweeps")
     monkeypatch.chdir(tmp_path)  # the default local folders would appear here
     path = write_sweep(
@@ -313,7 +313,7 @@ def test_a_pbt_sweep_keeps_everything_in_a_bucket(
             f"data.cache_dir={bucket}/data",
             f"tracking.uri=sqlite:///{shared_dirs['mlflow']}",
             "training.max_steps=4",
-            "parallel.strategy=fsdp",
+            "parallel.strategy=hsdp",
         ],
         name="cloud-pbt",
         num_samples=2,

@@ -12,6 +12,7 @@ from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
 
 import raytrain_lm
+from raytrain_lm.clusters.multinode import segments
 from raytrain_lm.config import load_config
 from raytrain_lm.errors import find_user_error
 from raytrain_lm.trainer.goodput import read_events
@@ -224,36 +225,46 @@ def test_resume_is_bit_for_bit(ray_session, tiny_overrides, tmp_path, monkeypatc
 
 
 def test_sharded_restarts_at_other_world_sizes_match_an_uninterrupted_run(world_size_runs):
-    """Sharded (FSDP), stopped (training.stop_after_step) and restarted from its DCP
-    checkpoints with a different number of workers each time, 4 -> 2 -> 4: a shrink, then a
-    grow, each loading shards written at another world size. The trained sequence positions
-    are the uninterrupted 2-worker DDP run's, each exactly once; the world size is logged at
-    each (re)start; and every step's loss (steps 1-3 on 4 workers x 3 accumulation steps, 4-6
-    on 2 x 6, 7-12 on 4 x 3) and the val loss are the uninterrupted run's in fp32. The
-    restarts also turn activation checkpointing on (full, then selective): it changes no loss,
-    and checkpoints load across the settings. With the 2-rank equivalence of 1 worker, DDP and
-    FSDP (test_parallel.py), this is the world-size invariance of the loop and its data."""
+    """Sharded, stopped (training.stop_after_step) and restarted from its DCP checkpoints with
+    another layout each time: hsdp 2x2 (2 shard groups of 2) -> hsdp 1x2 -> hsdp 2x2 -> fsdp
+    over 4: a replica lost, one added back, then every worker one shard group, each start
+    loading shards written by another mesh. The trained sequence positions are the
+    uninterrupted 2-worker DDP run's, each exactly once; the world size is logged at each
+    (re)start; and every step's loss (steps 1-3 on 4 workers x 3 accumulation steps, 4-6 on
+    2 x 6, 7-12 on 4 x 3) and the val loss are the uninterrupted run's in fp32. The restarts
+    also turn activation checkpointing on (full, then selective): it changes no loss, and
+    checkpoints load across the settings. With the equivalence of 1 worker, DDP, FSDP and
+    HSDP (test_parallel.py, test_hybrid.py), this is the world-size invariance of the loop
+    and its data."""
     from raytrain_lm.data.ledger import read_ledger
 
     common, straight = world_size_runs["common"], world_size_runs["reference"]
     runs = world_size_runs["output_dir"]
     assert read_ledger(runs / "uninterrupted").tolist() == list(range(STEPS * BATCH))
-    sizes, stops = (4, 2, 4), (3, 6, None)
-    recomputation = ("none", "full", "selective")  # a memory setting a restart may change
-    for workers, stop, recompute in zip(sizes, stops, recomputation, strict=True):
+    sizes, stops = (4, 2, 4, 4), (3, 6, 9, None)
+    recomputation = ("none", "full", "selective", "none")  # a memory setting a restart may change
+    hsdp = ["parallel.strategy=hsdp", "parallel.shard_size=2"]  # one Ray node: groups of 2
+    layouts = (hsdp, hsdp, hsdp, ["parallel.strategy=fsdp"])
+    for workers, stop, recompute, layout in zip(sizes, stops, recomputation, layouts, strict=True):
         extra = [f"training.stop_after_step={stop}"] if stop else []
-        extra += [f"training.activation_checkpointing={recompute}", "parallel.strategy=fsdp"]
+        extra += [f"training.activation_checkpointing={recompute}", *layout]
         summary = _run([*common, "name=resized", f"scaling.num_workers={workers}", *extra])
         assert summary["steps"] == (stop or STEPS)
     assert summary["tokens"] == straight["tokens"] == STEPS * BATCH * 32
     assert read_ledger(runs / "resized").tolist() == list(range(STEPS * BATCH))
     client = MlflowClient(tracking_uri=_uri(common))
     logged = client.get_metric_history(summary["mlflow_run_id"], "world_size")
-    assert sorted((m.step, m.value) for m in logged) == [(0, 4), (3, 2), (6, 4)]
+    assert sorted((m.step, m.value) for m in logged) == [(0, 4), (3, 2), (6, 4), (9, 4)]
     expected = _history(straight, _uri(common))
     got = _history(summary, _uri(common))
     assert [s for s, _ in got] == list(range(1, STEPS + 1))
     gaps = [abs(value - ref) for (_, ref), (_, value) in zip(expected, got, strict=True)]
     assert max(gaps) < 1e-4, gaps
     assert summary["val_loss"] == pytest.approx(straight["val_loss"], abs=1e-3)
-    assert summary["goodput"]["restarts"] == 2
+    assert summary["goodput"]["restarts"] == 3
+    assert [s["layout"] for s in segments(runs / "resized")] == [
+        "hsdp: mesh 2 (replicate) x 2 (shard)",
+        "hsdp: mesh 1 (replicate) x 2 (shard)",
+        "hsdp: mesh 2 (replicate) x 2 (shard)",
+        "fsdp: mesh 4 (shard)",
+    ]

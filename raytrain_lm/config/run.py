@@ -85,6 +85,7 @@ class RunConfig(_Section):
         # every size an elastic run may take: refuse up front, not at the first resize.
         # Balanced shares are uneven anyway: one sequence per rank is all they need.
         micro = self.training.micro_batch_size
+        self._parallel_fits()
         if self.scaling.fault_tolerance == "replicas":
             self._replicas_fit()
             return self
@@ -94,11 +95,12 @@ class RunConfig(_Section):
                     f"training.global_batch_size ({self.training.global_batch_size}) gives "
                     f"fewer than one sequence to each of up to {self.scaling.max_size} workers"
                 )
-            if self.scaling.balance == "auto" and self.parallel.strategy == "fsdp":
+            if self.scaling.balance == "auto" and self.parallel.strategy in ("fsdp", "hsdp"):
                 raise ValueError(BALANCE_AUTO_UNDER_FSDP)
             return self
+        tp = self.parallel.tensor_parallel
         for world in self.scaling.world_sizes:
-            unit = world * (micro or 1)
+            unit = world // tp * (micro or 1)
             if self.training.global_batch_size % unit:
                 if self.scaling.elastic:
                     what = (
@@ -115,6 +117,41 @@ class RunConfig(_Section):
                 )
         return self
 
+    def _parallel_fits(self) -> None:
+        """Tensor parallelism and hsdp's shard groups need every world size the run may take
+        to split into whole groups; the tensor-parallel plan is llama's."""
+        parallel, tp = self.parallel, self.parallel.tensor_parallel
+        if parallel.shard_size is not None and parallel.strategy not in ("hsdp", "auto"):
+            raise ValueError(
+                f"parallel.shard_size applies to parallel.strategy=hsdp, not {parallel.strategy}"
+            )
+        group = tp * (parallel.shard_size or 1)
+        if tp > 1:
+            if self.model.arch != "llama":
+                raise ValueError("parallel.tensor_parallel needs model.arch=llama")
+            if parallel.strategy not in ("fsdp", "hsdp"):
+                raise ValueError(
+                    "parallel.tensor_parallel composes with parallel.strategy=fsdp or hsdp, "
+                    f"not {parallel.strategy}"
+                )
+            if self.scaling.balance != "none":
+                raise ValueError("scaling.balance splits batches by rank: not with tensor_parallel")
+            model = self.model
+            for what, n in (
+                ("model.n_head", model.n_head),
+                ("model.n_kv_head", model.n_kv_head or model.n_head),
+                ("model.block_size", model.block_size),
+            ):
+                if n % tp:
+                    raise ValueError(f"parallel.tensor_parallel={tp} does not divide {what} ({n})")
+        uneven = [w for w in self.scaling.world_sizes if w % group]
+        if uneven:
+            raise ValueError(
+                f"scaling allows {uneven[0]} workers, which do not split into groups of "
+                f"{group} (parallel.tensor_parallel x shard_size): every worker count the "
+                f"run may take must be a multiple of {group}"
+            )
+
     def _replicas_fit(self) -> None:
         """Replica groups split each step over whoever takes part (any count from min_workers
         to max_workers, evenly or not), each holding the whole model."""
@@ -123,7 +160,7 @@ class RunConfig(_Section):
                 f"training.global_batch_size ({self.training.global_batch_size}) gives fewer "
                 f"than one sequence to each of up to {self.scaling.max_size} replica groups"
             )
-        if self.parallel.strategy == "fsdp":
+        if self.parallel.strategy in ("fsdp", "hsdp"):
             raise ValueError(
                 "scaling.fault_tolerance=replicas keeps a whole model in every group: use "
                 "parallel.strategy=ddp (sharding inside a group comes with hybrid sharding)"

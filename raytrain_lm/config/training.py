@@ -66,10 +66,24 @@ class TrainingConfig(_Section):
 class ParallelConfig(_Section):
     """How the model is spread over the workers (trainer/parallel.py; docs/parallelism.md)."""
 
-    strategy: Literal["ddp", "fsdp", "auto"] = Field(
+    strategy: Literal["ddp", "fsdp", "hsdp", "auto"] = Field(
         "ddp",
         description="ddp: a whole copy per worker; fsdp: weights, gradients and optimizer state "
-        "sharded over the workers; auto: fsdp when ddp's would not fit in one device",
+        "sharded over all workers; hsdp: sharded inside groups of parallel.shard_size workers "
+        "(one node's), replicated across groups; auto: the first of ddp, hsdp, fsdp whose "
+        "state fits in a device",
+    )
+    shard_size: int | None = Field(
+        None,
+        ge=1,
+        description="hsdp: workers (tensor-parallel groups) that share one copy of the state; "
+        "unset: those of one node",
+    )
+    tensor_parallel: int = Field(
+        1,
+        ge=1,
+        description="llama: split each block's matmuls over this many workers of one node "
+        "(with fsdp or hsdp over the rest)",
     )
     reshard_after_forward: bool = Field(
         True, description="fsdp: free gathered weights after forward (gather again for backward)"

@@ -34,6 +34,7 @@ import pyarrow.fs as pafs
 import torch
 from safetensors.torch import load_file, save_file
 
+from raytrain_lm.errors import UserError
 from raytrain_lm.rundir import CONFIG_FILE as CONFIG_FILE  # callers still import it from here
 from raytrain_lm.rundir import RunDir
 from raytrain_lm.storage import Location, filesystem, is_uri, retrying
@@ -48,13 +49,29 @@ _HASH_CHUNK = 1 << 22
 DOWNLOAD_CHUNK = 1 << 26  # 64 MiB per ranged GET (and per copying thread's buffer)
 
 
+def same_format(strategy: str, other: str) -> bool:
+    """Whether a checkpoint written under one strategy loads under the other: whole weights
+    (ddp) only under ddp; DCP shards under any sharded layout (fsdp, hsdp, any mesh)."""
+    return (strategy == "ddp") == (other == "ddp")
+
+
+def check_strategy_resumes(run: str, setting: str, checkpointed: str) -> None:
+    """Refuses, before any worker starts, a resume whose strategy cannot read the checkpoints."""
+    if setting != "auto" and not same_format(setting, checkpointed):
+        raise UserError(
+            f"run '{run}' was checkpointed with parallel.strategy={checkpointed}, now "
+            f"{setting}; resume with {checkpointed}, a strategy that writes the same "
+            "checkpoints (fsdp and hsdp share theirs), auto, or choose another name=..."
+        )
+
+
 @dataclass
 class TrainState:
     step: int = 0  # optimizer steps taken
     tokens: int = 0  # training tokens consumed
     position: int = 0  # next unconsumed sequence in the global order (see data/order.py)
     world_size: int = 0  # at the time of saving, for the log only: resume works at any size
-    strategy: str = "ddp"  # ddp: whole weights and optimizer state; fsdp: DCP shards
+    strategy: str = "ddp"  # ddp: whole weights and optimizer state; fsdp, hsdp: DCP shards
     val_loss: float | None = None
     val_step: int | None = None  # the step val_loss was measured at
     train_loss: float | None = None  # at this step, all ranks: the figures of the run so far

@@ -46,6 +46,7 @@ from raytrain_lm.trainer.capacity import create_capacity_view, refresh_capacity_
 from raytrain_lm.trainer.checkpoint import (
     MODEL_FILE,
     TrainState,
+    check_strategy_resumes,
     ever_checkpointed,
     latest_complete_checkpoint,
     read_state,
@@ -103,12 +104,7 @@ def train(
     if previous is not None:
         state = read_state(previous)
         previous_strategy = state.strategy
-        if cfg.parallel.strategy not in ("auto", state.strategy):
-            raise UserError(
-                f"run '{cfg.name}' was checkpointed with parallel.strategy={state.strategy}, "
-                f"now {cfg.parallel.strategy}; resume with {state.strategy} (or auto) or choose "
-                "another name=..."
-            )
+        check_strategy_resumes(cfg.name, cfg.parallel.strategy, state.strategy)
         print(
             f"[raytrain-lm] resuming run '{cfg.name}' from {previous.name}: step {state.step}, "
             f"{state.tokens:,} tokens",

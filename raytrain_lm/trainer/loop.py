@@ -74,6 +74,15 @@ class RaySide:
         dist.all_gather_object(types, mine)
         return [str(t) for t in types]
 
+    def node_ids(self, world: int) -> list[str]:
+        """Every rank's node, in rank order (a collective)."""
+        mine = self.node_id()
+        if world == 1:
+            return [mine]
+        nodes: list[str | None] = [None] * world
+        dist.all_gather_object(nodes, mine)
+        return [str(n) for n in nodes]
+
     @staticmethod
     def alive_node_ids() -> set[str]:
         return {n["NodeID"] for n in ray.nodes() if n.get("Alive")}

@@ -33,6 +33,7 @@ class Interval:
 @dataclass
 class PendingSteps:
     world: int
+    loss_copies: int = 1  # ranks that compute the same part (a tensor-parallel group)
     _losses: list[torch.Tensor] = field(default_factory=list)
     _norms: list[torch.Tensor] = field(default_factory=list)
     _host: list[tuple[int, dict[str, float]]] = field(default_factory=list)
@@ -89,6 +90,7 @@ class PendingSteps:
         values = torch.stack([*self._losses, *self._norms]).to(torch.float64)
         reduce_on_device(values)
         values[n:] /= self.world  # the norm is the same on every rank
+        values[:n] /= self.loss_copies
         read = values.tolist()  # the wait
         steps = [
             (step, {"train/loss": read[i], "train/grad_norm": read[n + i], **host})

@@ -17,7 +17,13 @@ from pathlib import Path
 import torch
 
 from raytrain_lm.errors import UserError
-from raytrain_lm.trainer.checkpoint import TrainState, load_checkpoint, read_state, restore_newest
+from raytrain_lm.trainer.checkpoint import (
+    TrainState,
+    load_checkpoint,
+    read_state,
+    restore_newest,
+    same_format,
+)
 from raytrain_lm.trainer.collectives import from_chief
 
 
@@ -32,7 +38,7 @@ def restore_group(
 ) -> tuple[str | None, TrainState]:
     """Every rank calls this at the same point: the checkpoint the group restored (None: none
     could be) and its train state, loaded into `model` and `optimizer` on every rank."""
-    sharded = strategy == "fsdp"
+    sharded = strategy != "ddp"
     candidates = list(candidates)
 
     def choose() -> tuple[str | None, TrainState]:
@@ -42,7 +48,7 @@ def restore_group(
         if found is None:
             return None, TrainState()
         location, state = found
-        if state.strategy != strategy:
+        if not same_format(state.strategy, strategy):
             raise UserError(
                 f"checkpoint {location} was written with parallel.strategy={state.strategy}; "
                 f"this run uses {strategy}"

@@ -91,8 +91,13 @@ def accumulate_gradients(parts: StepParts, tokens: np.ndarray) -> torch.Tensor:
         weight = plan.world_size * size / plan.global_batch
         t = hardware.tokens_to_device(rows, parts.device)
         sync = contextlib.nullcontext()
-        if parts.ddp is not None and i < len(sizes) - 1:
+        last = i == len(sizes) - 1
+        if parts.ddp is not None and not last:
             sync = parts.ddp.no_sync()  # all-reduce gradients once, on the last micro-batch
+        if hasattr(parts.model, "set_requires_all_reduce"):
+            # hsdp: each pass reduce-scatters inside the shard group (keeping memory sharded),
+            # but the all-reduce across groups, between nodes, waits for the last pass
+            parts.model.set_requires_all_reduce(last)
         with sync:
             if parts.clock is not None:
                 parts.clock.start()

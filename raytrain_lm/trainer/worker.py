@@ -50,10 +50,9 @@ from raytrain_lm.trainer.goodput import (
     close_previous_segment,
     summarize,
 )
+from raytrain_lm.trainer.mesh import Layout, build_meshes
 from raytrain_lm.trainer.parallel import (
-    MemoryEstimate,
-    check_fits,
-    choose_strategy,
+    choose_layout,
     device_memory_bytes,
     replicate_model,
     shard_model,
@@ -95,16 +94,23 @@ class Worker(Rebalancing, Endings):
 
             load_hf_weights(self.model, cfg.model.init_from)
         apply_activation_checkpointing(self.model, cfg.training.activation_checkpointing)
-        self.strategy = self._choose_strategy()
+        self.layout = self._choose_layout()
+        self.strategy = self.layout.strategy
         if self.sharded:
+            data_mesh, tensor_mesh = build_meshes(self.layout, self.device.type)
+            if tensor_mesh is not None:
+                from raytrain_lm.trainer.tensor_parallel import apply_tensor_parallel
+
+                apply_tensor_parallel(self.model, tensor_mesh)
             shard_model(
                 self.model,
-                self.device,
-                world,
+                data_mesh,
                 self.bf16,
                 cfg.parallel.reshard_after_forward,
                 compile_blocks=self.compile,
             )
+        # A tensor-parallel group reads the same sequences: data is split over the groups.
+        self.data_rank, self.data_world = self.layout.data_rank(rank), self.layout.data_world
         self.types = self.ray.accelerator_types(world, self.device)  # each rank's, on every rank
         self.plan = self._initial_plan()
         self.optimizer = hardware.build_adamw(
@@ -120,7 +126,7 @@ class Worker(Rebalancing, Endings):
         self.every = Cadences.of(cfg)
         self.watchdog = StepWatchdog(cfg.fault.step_timeout_s)
         self.flag_channel = FlagChannel(self.device, cfg.fault.collective_timeout_s)
-        self.pending = PendingSteps(world)
+        self.pending = PendingSteps(world, loss_copies=self.layout.tensor)
         self.sync_counter = faults.sync_counter(spec.fault, self.device)
         self.clock = ForwardClock(self.device) if cfg.scaling.balance == "auto" else None
         faults.simulate_device(self.model, spec.fault, self.fault_rank)
@@ -139,7 +145,7 @@ class Worker(Rebalancing, Endings):
 
     @property
     def sharded(self) -> bool:
-        return self.strategy == "fsdp"
+        return self.strategy != "ddp"
 
     @property
     def is_chief(self) -> bool:
@@ -161,38 +167,37 @@ class Worker(Rebalancing, Endings):
             return ProgressBar(self.end_step, self.state.step, self.cfg.training.log_every)
         return None
 
-    def _choose_strategy(self) -> str:
+    def _choose_layout(self) -> Layout:
         """parallel.strategy, with `auto` settled from the memory the group's state needs
-        against its smallest device; the same on every rank."""
+        against its smallest device, and where each rank sits in the mesh (mesh.py); the same
+        on every rank."""
         setting = self.cfg.parallel.strategy
-        local_workers = self.ray.local_world_size
+        # Under ddp no mesh is built: which node holds which rank does not matter.
+        nodes = self.ray.node_ids(self.world) if setting != "ddp" else ["any"] * self.world
         (device_bytes,) = all_reduce(
-            [device_memory_bytes(self.device, local_workers)], self.device, "min"
+            [device_memory_bytes(self.device, self.ray.local_world_size)], self.device, "min"
         )
-        estimate = MemoryEstimate(
-            params=self.model.num_params(non_embedding=False),
-            world=self.world,
-            device_bytes=int(device_bytes),
-            fraction=self.cfg.parallel.auto_state_fraction,
+        params = self.model.num_params(non_embedding=False)
+        previous = self.spec.checkpoint_strategy
+        layout, estimate = choose_layout(
+            self.cfg.parallel, nodes, params, int(device_bytes), previous
         )
-        strategy = choose_strategy(setting, estimate, self.spec.checkpoint_strategy)
-        check_fits(strategy, estimate)
-        if setting == "auto" or strategy == "fsdp":
-            how = "resumed as checkpointed" if self.spec.checkpoint_strategy else "chosen"
+        if setting != "ddp":
+            how = "resumed as checkpointed" if previous else "chosen"
             announce(
-                f"parallel.strategy={strategy}"
+                f"parallel.strategy={layout.strategy}"
                 + (f" ({how} by auto)" if setting == "auto" else "")
-                + f": {estimate.describe()}",
+                + f", {layout.describe()}: {estimate.describe()}",
                 self.is_chief,
             )
-        return strategy
+        return layout
 
     def _initial_plan(self) -> BatchPlan:
         """Equal shares, or shares by type weights (`scaling.balance`); `auto` starts equal
         and re-plans once it has measured (see `_rebalance`)."""
         setting, training = self.cfg.scaling.balance, self.cfg.training
         if setting == "none":
-            return BatchPlan.derive(training, self.world)
+            return BatchPlan.derive(training, self.data_world)
         if setting == "auto" and self.sharded:  # strategy auto chose FSDP in the workers
             raise UserError(BALANCE_AUTO_UNDER_FSDP)
         weights = [1.0] * self.world if setting == "auto" else type_weights(setting, self.types)
@@ -247,7 +252,8 @@ class Worker(Rebalancing, Endings):
                     t_start=self.t_start,
                     t_restored=time.time(),
                     restored_step=state.step,
-                    world_size=self.plan.world_size,
+                    world_size=self.world,
+                    layout=self.layout.describe(),
                     accumulation=plan.accumulation,
                     shares=list(plan.shares),
                     types=self.types,
@@ -257,7 +263,7 @@ class Worker(Rebalancing, Endings):
             ]
             origin = f"resumed at step {state.step} ({state.tokens:,} tokens)"
             announce(
-                f"{origin if state.step else 'started'}; world size {plan.world_size}, "
+                f"{origin if state.step else 'started'}; world size {self.world}, "
                 + plan.describe()
             )
         self.tracker.log_metrics(
@@ -333,7 +339,7 @@ class Worker(Rebalancing, Endings):
     def _take_step(self, parts: StepParts, batches) -> None:
         cfg, state = self.cfg, self.state
         self.tick = time.perf_counter()
-        torch.manual_seed(step_seed(cfg.training.seed, state.step, self.rank))
+        torch.manual_seed(step_seed(cfg.training.seed, state.step, self.data_rank))
         lr = learning_rate(
             state.step, cfg.optim.lr, cfg.optim.min_lr, cfg.optim.warmup_steps, self.decay_steps
         )
@@ -341,7 +347,7 @@ class Worker(Rebalancing, Endings):
         state.step += 1
         state.tokens += self.tokens_per_step
         state.position += self.plan.global_batch
-        if cfg.training.ledger:
+        if cfg.training.ledger and self.layout.tensor_rank(self.rank) == 0:
             self.ledger.append(result.positions)
         host_metrics = {"train/lr": lr, "progress/tokens": state.tokens}
         self.pending.add(
@@ -425,7 +431,7 @@ class Worker(Rebalancing, Endings):
             if self.compile:  # around DDP, so that gradient buckets overlap the backward
                 model = torch.compile(model)
         return StepParts(
-            model, self.model, self.optimizer, self.plan, self.rank, self.device, self.bf16,
+            model, self.model, self.optimizer, self.plan, self.data_rank, self.device, self.bf16,
             self.cfg.optim.grad_clip, clock=self.clock,
         )  # fmt: skip
 
@@ -437,8 +443,8 @@ class Worker(Rebalancing, Endings):
             seq_len=cfg.model.block_size,
             sequences=cfg.training.eval_sequences,
             batch=self.plan.micro_batch,
-            rank=self.rank,
-            world=self.world,
+            rank=self.data_rank,
+            world=self.data_world,
             device=self.device,
             bf16=self.bf16,
             same_count_on_every_rank=self.sharded,
@@ -447,7 +453,9 @@ class Worker(Rebalancing, Endings):
     def _batches(self, part: WorkerSlice | None = None):
         """This rank's share of every step from the current one on (`part`: another slice)."""
         cfg = self.cfg
-        part = part or WorkerSlice(self.rank, self.world, self.plan.global_batch, self.plan.shares)
+        part = part or WorkerSlice(
+            self.data_rank, self.data_world, self.plan.global_batch, self.plan.shares
+        )
         order = SequenceOrder(
             [s.tokens for s in self.manifest.splits["train"].shards],
             cfg.model.block_size,

@@ -25,10 +25,11 @@ from raytrain_lm.llama import Llama, LlamaShape
 from raytrain_lm.model import GPT, GPTShape
 from raytrain_lm.trainer import hardware
 from raytrain_lm.trainer.checkpoint import TrainState
+from raytrain_lm.trainer.mesh import build_meshes, plan_layout
 from raytrain_lm.trainer.parallel import local_state_bytes, shard_model
 from raytrain_lm.trainer.plan import BatchPlan, learning_rate
 from raytrain_lm.trainer.sharded import load_sharded_checkpoint, save_sharded_checkpoint
-from raytrain_lm.trainer.step import StepParts, train_step
+from raytrain_lm.trainer.step import StepParts, accumulate_gradients, train_step
 
 VOCAB, SEQ, GLOBAL_BATCH, MICRO, STEPS, SAVE_AT = 64, 16, 8, 2, 20, 10
 UNEVEN = [3.0, 1.0]  # weights: shares of 6 and 2
@@ -53,39 +54,79 @@ def _share(step: int, plan: BatchPlan, rank: int):
 
 
 class Run:
-    """A model, its optimizer and its steps under one strategy."""
+    """A model, its optimizer and its steps under one strategy. `nodes`: each rank's node (a
+    layout as Ray might hand it out; default one node), `shard_size` and `tensor` as in
+    `parallel.*`."""
 
-    def __init__(self, arch: str, strategy: str, rank: int = 0, world: int = 1, weights=None):
+    def __init__(
+        self,
+        arch,
+        strategy,
+        rank=0,
+        world=1,
+        weights=None,
+        nodes=None,
+        shard_size=None,
+        tensor=1,
+        micro=MICRO,
+    ):
         torch.manual_seed(0)
         self.rank, self.world = rank, world
         self.raw = ARCHS[arch]()
         model = self.raw
-        if strategy == "fsdp":
-            shard_model(self.raw, CPU, world, bf16=False)
+        self.layout = plan_layout(
+            "ddp" if strategy == "single" else strategy,
+            nodes or ["node"] * world,
+            shard_size,
+            tensor,
+        )
+        if strategy in ("fsdp", "hsdp"):
+            data_mesh, tensor_mesh = build_meshes(self.layout, "cpu")
+            if tensor_mesh is not None:
+                from raytrain_lm.trainer.tensor_parallel import apply_tensor_parallel
+
+                apply_tensor_parallel(self.raw, tensor_mesh)
+            shard_model(self.raw, data_mesh, bf16=False)
+            self.data_mesh = data_mesh
         elif strategy == "ddp":
             model = torch.nn.parallel.DistributedDataParallel(self.raw)
         self.optimizer = hardware.build_adamw(
             self.raw.optimizer_groups(0.1), 1e-2, (0.9, 0.95), CPU
         )
-        training = TrainingConfig(global_batch_size=GLOBAL_BATCH, micro_batch_size=MICRO)
-        plan = BatchPlan.derive(training, world, weights, same_passes=strategy == "fsdp")
-        self.parts = StepParts(model, self.raw, self.optimizer, plan, rank, CPU, False, 1.0)
+        training = TrainingConfig(global_batch_size=GLOBAL_BATCH, micro_batch_size=micro)
+        sharded = strategy in ("fsdp", "hsdp")
+        world = self.layout.data_world
+        plan = BatchPlan.derive(training, world, weights, same_passes=sharded)
+        data_rank = self.layout.data_rank(rank)
+        self.parts = StepParts(model, self.raw, self.optimizer, plan, data_rank, CPU, False, 1.0)
 
     def steps(self, first: int, last: int) -> list[float]:
         losses = []
         for step in range(first, last):
             lr = learning_rate(step, 1e-2, 1e-3, 3, STEPS)
-            result = train_step(self.parts, _share(step, self.parts.plan, self.rank), lr)
+            result = train_step(self.parts, _share(step, self.parts.plan, self.parts.rank), lr)
             loss = result.loss.detach().clone()  # this rank's part of the step's loss
             if self.world > 1:
                 dist.all_reduce(loss)
-            losses.append(loss.item())
+            losses.append(loss.item() / self.layout.tensor)
         return losses
+
+    def gradients(self, step: int) -> dict[str, torch.Tensor]:
+        """The whole gradients (gathered from their shards) of the step's global batch, before
+        clipping: what the reductions made of this rank's share."""
+        (_, tokens), *_ = _share(step, self.parts.plan, self.parts.rank)
+        accumulate_gradients(self.parts, tokens)
+        grads = {}
+        for name, p in self.raw.named_parameters():
+            g = p.grad
+            grads[name] = g.full_tensor() if hasattr(g, "full_tensor") else g.clone()
+        self.optimizer.zero_grad(set_to_none=True)
+        return grads
 
     def state_bytes(self) -> int:
         """Parameters + gradients + AdamW state held here, with the gradients of one backward
         still in place (as between backward and the optimizer step)."""
-        (_, tokens), *_ = _share(0, self.parts.plan, self.rank)
+        (_, tokens), *_ = _share(0, self.parts.plan, self.parts.rank)
         t = torch.from_numpy(tokens[:MICRO])
         self.parts.model(t[:, :-1], t[:, 1:])[1].backward()
         held = local_state_bytes(self.raw, self.optimizer)
