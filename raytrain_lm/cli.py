@@ -87,6 +87,15 @@ def _parser() -> argparse.ArgumentParser:
 
     with_config(commands.add_parser("train", help="train (or resume) a run"))
     with_config(commands.add_parser("prepare", help="tokenize text into Parquet token shards"))
+    planner = commands.add_parser("plan", help="what a run will cost, before it starts")
+    with_config(planner)
+    planner.add_argument("--tokens", type=float, help="default: max_steps x the global batch")
+    planner.add_argument("--deadline", help="e.g. 36h, 2d")
+    planner.add_argument("--budget", type=_NON_NEGATIVE_FLOAT, help="USD")
+    planner.add_argument("--from", dest="from_run", help="calibrate from this run (name or dir)")
+    planner.add_argument("--catalog", help="price catalog YAML (default: the shipped example)")
+    planner.add_argument("--rows", type=_POSITIVE_INT, default=15, help="candidates shown")
+    planner.add_argument("--json", action="store_true", help="the whole plan as JSON")
     tokenizer = commands.add_parser("tokenizer", help="tokenizer tools")
     tokenizer_commands = tokenizer.add_subparsers(
         dest="tokenizer_command", required=True, parser_class=_Parser
@@ -302,6 +311,14 @@ def run(argv: list[str]) -> int:
             f"over {result['tokens']:,} tokens (step {result['step']} of run '{result['run']}')"
         )
         print("result: " + json.dumps(result))
+        return 0
+    if args.command == "plan":
+        from raytrain_lm.costs import plan
+        from raytrain_lm.costs.report import render
+
+        cfg = load_config(args.config, [*args.set, *short_overrides])
+        result = plan(cfg, args.tokens, args.deadline, args.budget, args.from_run, args.catalog)
+        print(json.dumps(result, indent=1) if args.json else render(result, args.rows))
         return 0
     if args.command == "generate":
         from raytrain_lm.generate import resolve_checkpoint, sample

@@ -101,6 +101,13 @@ LLAMA_TP = ["model.arch=llama", "parallel.strategy=fsdp"]  # where tensor parall
             ["scaling.fault_tolerance=replicas", "parallel.strategy=hsdp"],
             "keeps a whole model in every group",
         ),
+        (["checkpoint.every_steps=often"], "a number of steps (at least 1) or auto"),
+        (
+            ["scaling.fault_tolerance=replicas", "checkpoint.every_steps=auto"],
+            "with scaling.fault_tolerance=replicas give a number of steps",
+        ),
+        (["budget.max_usd=100"], "budget.max_usd counts fault.price_per_hour: set it"),
+        (["budget.deadline=soon"], "a duration is a number with d, h or m"),
     ],
 )
 def test_config_errors_name_the_key(overrides, message):

@@ -4,12 +4,15 @@ the same data split. The parallel arithmetic itself is tests/test_hybrid.py's.""
 
 from __future__ import annotations
 
+import pytest
 from mlflow.tracking import MlflowClient
 
 import raytrain_lm
 from raytrain_lm.clusters.multinode import segments
 from raytrain_lm.config import load_config
 from raytrain_lm.data.ledger import read_ledger
+from raytrain_lm.trainer.checkpoint_interval import interval_steps
+from raytrain_lm.trainer.goodput import read_events
 
 STEPS, BATCH = 8, 8
 
@@ -26,7 +29,8 @@ def test_tensor_parallel_hsdp_run_takes_ddps_steps(
     """A llama on 4 workers as hsdp 2 (replicate) x 1 (shard) x 2 (tensor), checkpointed
     (DCP) midway, against the same run under DDP on 2 workers (the same 2 data-parallel
     shares): every step's loss within 1e-4 in fp32, the val loss within 1e-3, every sequence
-    position once in the ledger."""
+    position once in the ledger. The DDP run also checks checkpoint.every_steps=auto: after
+    its first checkpoint it sets the interval from what it measured."""
     uri = f"sqlite:///{shared_dirs['mlflow']}"  # tiny_overrides' store
     common = [
         *tiny_overrides,
@@ -41,8 +45,20 @@ def test_tensor_parallel_hsdp_run_takes_ddps_steps(
         "training.precision=fp32",
         "data.shuffle_window_shards=1",
     ]
-    ddp = raytrain_lm.train(
-        load_config(None, [*common, "name=tp-reference", "scaling.num_workers=2"]), sample=False
+    # The reference also sets its checkpoint interval itself (checkpoint.every_steps=auto):
+    # intervals change no loss, so it is still the reference.
+    reference = ["name=tp-reference", "scaling.num_workers=2", "checkpoint.every_steps=auto"]
+    ddp = raytrain_lm.train(load_config(None, [*common, *reference]), sample=False)
+    events = read_events(tmp_path / "runs" / "tp-reference")
+    (chosen,) = [e for e in events if e["event"] == "checkpoint_interval"]
+    assert chosen["step"] == 2  # the first checkpoint: a quarter of the run, to measure it
+    # a 10 ms save against one interruption a day: none more before the end
+    assert [e["step"] for e in events if e["event"] == "checkpoint_saved"] == [2, STEPS]
+    assert chosen["save_s"] > 0 and chosen["step_s"] > 0 and chosen["recovery_s"] == 300
+    assert chosen["rate_per_hour"] == pytest.approx(1 / 24, rel=0.01)  # the prior, no incident
+    left = STEPS - 2
+    assert chosen["steps"] == interval_steps(
+        chosen["save_s"], chosen["step_s"], chosen["rate_per_hour"] / 3600, 300, left
     )
     tensor = [
         "name=tp",

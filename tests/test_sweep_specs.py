@@ -103,6 +103,8 @@ def test_pbt_sweep_files_are_checked(tmp_path):
         )
     with pytest.raises(UserError, match="need kind: pbt"):
         load_sweep(write_sweep(tmp_path, [], scheduler={"perturbation_interval": 2}))
+    with pytest.raises(UserError, match="compares trials at their checkpoints: give checkpoint"):
+        load_sweep(write_sweep(tmp_path, ["checkpoint.every_steps=auto"]))
     sweep = load_sweep(
         pbt(hyperparam_mutations={"optim.warmup_steps": {"randint": [2, 10]}}, synch=True)
     )

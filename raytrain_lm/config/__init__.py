@@ -12,6 +12,7 @@ from raytrain_lm.config.base import (
     STORAGE_SCHEMES,
     check_storage_location,
 )
+from raytrain_lm.config.budget import BudgetConfig
 from raytrain_lm.config.data import DataConfig, TokenizerConfig
 from raytrain_lm.config.fault import CheckpointConfig, FaultConfig
 from raytrain_lm.config.loading import (
@@ -40,6 +41,7 @@ __all__ = [
     "RUN_NAME_PATTERN",
     "STORAGE_SCHEMES",
     "TRACKING_URI_ENV",
+    "BudgetConfig",
     "CheckpointConfig",
     "DataConfig",
     "FaultConfig",

@@ -4,7 +4,9 @@ run on preemptible nodes tunes together.
 
 from __future__ import annotations
 
-from pydantic import Field
+from typing import Literal
+
+from pydantic import Field, field_validator
 
 from raytrain_lm.config.base import _Section
 
@@ -51,8 +53,26 @@ class FaultConfig(_Section):
 
 
 class CheckpointConfig(_Section):
-    every_steps: int = Field(200, ge=1)
+    every_steps: int | Literal["auto"] = Field(
+        200,
+        description="auto: after each checkpoint, the interval that minimises the expected "
+        "time lost, from its measured save time and the run's interruptions (docs/cost.md)",
+    )
     keep_last: int = Field(2, ge=1)
+
+    @field_validator("every_steps", mode="before")
+    @classmethod
+    def _steps_or_auto(cls, value: object) -> object:
+        if value == "auto":
+            return value
+        try:
+            steps = int(value)  # type: ignore[call-overload]
+        except (TypeError, ValueError):
+            steps = 0
+        if steps < 1 or steps != value:
+            raise ValueError("a number of steps (at least 1) or auto")
+        return steps
+
     keep_best: bool = Field(True, description="also keep the checkpoint with the best val loss")
     upload_retry_s: float = Field(
         600.0,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import difflib
 import re
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +22,16 @@ from raytrain_lm.redaction import REDACTED, redact_tree
 def closest_key_hint(model: type[BaseModel], loc: tuple[Any, ...]) -> str:
     """Names the valid key nearest to an unknown one at `loc` (a pydantic error location)."""
     section: type[BaseModel] = model
-    for part in loc[:-1]:
-        field = section.model_fields.get(str(part))
+    parts = list(loc[:-1])
+    while parts:
+        field = section.model_fields.get(str(parts.pop(0)))
         annotation = getattr(field, "annotation", None)
+        if typing.get_origin(annotation) is dict and parts:  # a mapping of sections: skip its key
+            annotation = typing.get_args(annotation)[1]
+            parts.pop(0)
+        annotation = next(  # `Section | None`
+            (a for a in typing.get_args(annotation) if a is not type(None)), annotation
+        )
         if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
             return ""
         section = annotation
@@ -41,7 +49,9 @@ def format_validation_error(
     """The first problem in `err` (raised validating `model` from `origin`) as one line
     naming the key: an unknown key with the closest valid one, a missing key, or a bad value
     with what was given."""
-    first = err.errors()[0]
+    errors = err.errors()
+    # A misspelt key also leaves the key it meant missing: name the misspelling.
+    first = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
     loc = tuple(first["loc"])
     key = ".".join(str(p) for p in loc)
     if first["type"] == "extra_forbidden":

@@ -11,6 +11,7 @@ from pathlib import Path
 from pydantic import Field, field_validator, model_validator
 
 from raytrain_lm.config.base import RUN_NAME_PATTERN, _Section, check_storage_location
+from raytrain_lm.config.budget import BudgetConfig
 from raytrain_lm.config.data import DataConfig
 from raytrain_lm.config.fault import CheckpointConfig, FaultConfig
 from raytrain_lm.config.model import ModelConfig
@@ -39,6 +40,7 @@ class RunConfig(_Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     fault: FaultConfig = Field(default_factory=FaultConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    budget: BudgetConfig = Field(default_factory=BudgetConfig)
 
     def resolved(self, base_dir: str | Path | None = None) -> RunConfig:
         """A copy in which every local path is absolute, taken relative to `base_dir` (default:
@@ -86,6 +88,10 @@ class RunConfig(_Section):
         # Balanced shares are uneven anyway: one sequence per rank is all they need.
         micro = self.training.micro_batch_size
         self._parallel_fits()
+        if self.budget.max_usd is not None and not self.fault.price_per_hour:
+            raise ValueError(
+                "budget.max_usd counts fault.price_per_hour: set it, e.g. {A100: 1.3, cpu: 0.1}"
+            )
         if self.scaling.fault_tolerance == "replicas":
             self._replicas_fit()
             return self
@@ -155,6 +161,11 @@ class RunConfig(_Section):
     def _replicas_fit(self) -> None:
         """Replica groups split each step over whoever takes part (any count from min_workers
         to max_workers, evenly or not), each holding the whole model."""
+        if self.checkpoint.every_steps == "auto":
+            raise ValueError(
+                "checkpoint.every_steps=auto agrees the interval across one worker group; "
+                "with scaling.fault_tolerance=replicas give a number of steps"
+            )
         if self.training.global_batch_size < self.scaling.max_size:
             raise ValueError(
                 f"training.global_batch_size ({self.training.global_batch_size}) gives fewer "

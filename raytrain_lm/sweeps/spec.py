@@ -237,6 +237,11 @@ def load_sweep(path: str | Path, overrides: list[str] | None = None) -> Sweep:
         cfg = load_config(base_file, [*_overrides_from_tree(spec.config), *(overrides or [])])
     except UserError as exc:
         raise _origin_error(origin, str(exc)) from None
+    if cfg.checkpoint.every_steps == "auto":
+        raise _origin_error(
+            origin, "a sweep compares trials at their checkpoints: give checkpoint.every_steps "
+            "a number of steps, not auto",
+        )  # fmt: skip
     if cfg.checkpoint.every_steps % cfg.training.eval_every:
         # Ray Train reports at checkpoints: each report must carry a fresh val loss to rank by.
         raise _origin_error(

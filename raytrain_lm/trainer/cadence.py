@@ -22,12 +22,13 @@ class Every:
     steps: int | None = None
     seconds: float | None = None
     at_end: bool = False
+    since: int = 0  # steps count from this step (an interval changed there)
     _last_time: float = field(default_factory=time.monotonic, repr=False)
 
     def due(self, step: int, end_step: int) -> bool:
         if self.at_end and step == end_step:
             return True
-        if self.steps is not None and step % self.steps == 0:
+        if self.steps is not None and (step - self.since) % self.steps == 0:
             return True
         if self.seconds is not None and time.monotonic() - self._last_time >= self.seconds:
             self._last_time = time.monotonic()
@@ -62,5 +63,12 @@ class Cadences:
             signals=Every(seconds=cfg.fault.preemption_check_s),
             log=Every(steps=cfg.training.log_every, at_end=True),
             eval=Every(steps=cfg.training.eval_every, at_end=True),
-            checkpoint=Every(steps=cfg.checkpoint.every_steps, at_end=True),
+            checkpoint=Every(steps=first_checkpoint_interval(cfg), at_end=True),
         )
+
+
+def first_checkpoint_interval(cfg: RunConfig) -> int:
+    """checkpoint.every_steps; under `auto`, a first checkpoint early enough to measure its
+    cost (a quarter of the run, at most 100 steps), after which the loop sets the interval."""
+    every = cfg.checkpoint.every_steps
+    return every if every != "auto" else max(1, min(100, cfg.training.max_steps // 4))

@@ -6,6 +6,7 @@ worker.py; replica groups override what differs, replicas.py).
 from __future__ import annotations
 
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +17,8 @@ from raytrain_lm.rundir import CONFIG_FILE, TOKENIZER_FILE
 from raytrain_lm.trainer import faults, signals
 from raytrain_lm.trainer.cadence import Flags
 from raytrain_lm.trainer.checkpoint import prune_checkpoints, save_checkpoint, upload_checkpoint
+from raytrain_lm.trainer.checkpoint_interval import interval_steps
+from raytrain_lm.trainer.collectives import all_reduce
 from raytrain_lm.trainer.progress import announce
 
 
@@ -28,7 +31,11 @@ class Endings:
         if flags.stop:
             reason = signals.STOP
             if self.is_chief:
-                self.events.append(self._event(signals.STOP, step=self.state.step))
+                why = self.stop_reason
+                self.events.append(self._event(signals.STOP, step=self.state.step, why=why))
+                if why == "budget":
+                    spent = self.budget.spent(self.events, time.time())
+                    announce(f"budget: ${spent:,.2f} spent, budget.max_usd reached")
         else:
             info = self.ray.preemption_info()  # a collective: every rank asks
             if info is None or not self.cfg.fault.checkpoint_on_preemption:
@@ -52,6 +59,36 @@ class Endings:
             self.is_chief,
         )
         return True
+
+    def _budget_spent(self) -> bool:
+        """Rank 0: whether budget.max_usd is spent (then the stop flag goes up, as for a stop
+        request, and the group checkpoints and ends)."""
+        if self.budget is None or not self.budget.exhausted(self.events, time.time()):
+            return False
+        self.stop_reason = "budget"
+        return True
+
+    def _set_checkpoint_interval(self, save_s: float) -> None:
+        """checkpoint.every_steps=auto (checkpoint_interval.py): every rank at the same
+        checkpoint, from the slowest rank's save and step times and rank 0's count of the
+        run's interruptions, so that all agree on the next checkpoint's step."""
+        speed = self.throughput.tokens_per_s
+        step_s = self.tokens_per_step / speed if speed > 0 else 0.0  # NaN > 0 is False
+        rate, recovery = self.interruptions if self.is_chief else (0.0, 0.0)
+        figures = [save_s, step_s, rate, recovery]
+        save_s, step_s, rate, recovery = all_reduce(figures, self.device, "max")
+        steps = interval_steps(save_s, step_s, rate, recovery, self.end_step - self.state.step)
+        self.every.checkpoint.steps, self.every.checkpoint.since = steps, self.state.step
+        if self.is_chief:
+            self._event(
+                "checkpoint_interval", step=self.state.step, steps=steps, save_s=save_s,
+                step_s=step_s, rate_per_hour=rate * 3600, recovery_s=recovery,
+            )  # fmt: skip
+            announce(
+                f"checkpoint.every_steps=auto: every {steps} steps (save {save_s:.2f} s, step "
+                f"{step_s:.3f} s, {rate * 3600:.3f} interruptions per hour, recovery "
+                f"{recovery:.0f} s)"
+            )
 
     def _report_checkpoint(self, final: bool = False) -> None:
         """Writes the ledger and a checkpoint, and reports both to Ray Train.
@@ -85,6 +122,7 @@ class Endings:
         }
         local = None
         texts = {TOKENIZER_FILE: self.tokenizer_json, CONFIG_FILE: to_yaml(self.cfg)}
+        saving = time.perf_counter()
         if self.sharded:  # every rank writes its shards; the whole weights at the end
             from raytrain_lm.trainer.sharded import save_sharded_checkpoint
 
@@ -105,6 +143,11 @@ class Endings:
                     self.spec.fault, "kill-in-checkpoint", state.step, self.fault_rank, self.run_dir
                 ),
             )
+        save_s = time.perf_counter() - saving  # the training's pause (uploads overlap steps)
+        if self.is_chief:
+            self._event("checkpoint_saved", step=state.step, save_s=save_s)
+        if self.cfg.checkpoint.every_steps == "auto" and not final:
+            self._set_checkpoint_interval(save_s)
         # A chaos test's kill after this checkpoint means after it is complete: wait for it.
         final = final or faults.targets(self.spec.fault, "kill-after-checkpoint", state.step)
         try:

@@ -76,8 +76,9 @@ def train(
     A sweep trial passes its sweep's MLflow `parent_run_id`, `tags` for its MLflow run, extra
     Ray Train `callbacks` (its report to Tune; replica groups put theirs in the `reports`
     queue themselves) and, under PBT, the keys it `may_change` when it resumes (a
-    perturbation). A run stopped on request (`raytrain-lm stop`, SIGTERM, Ctrl-C)
-    returns its summary at the stop's checkpoint, with `stopped: true`.
+    perturbation). A run stopped on request (`raytrain-lm stop`, SIGTERM, Ctrl-C) returns its
+    summary at the stop's checkpoint with `stopped: true`; one that spent `budget.max_usd`,
+    with `stopped: "budget"`.
     """
     started = time.time()
     # Workers, trials and job drivers run in working directories of their own: every path
@@ -177,7 +178,7 @@ def _prepared_data(cfg: RunConfig) -> str:
     return directory if is_uri(directory) else os.path.abspath(directory)
 
 
-def _train_until_done(spec: WorkerSpec, callbacks: list | None) -> bool:
+def _train_until_done(spec: WorkerSpec, callbacks: list | None) -> bool | str:
     """Runs worker groups until the run reaches its end step or is stopped on request (then
     returns True). A group that ended itself for a spot notice is followed by a new one at
     once, on the nodes that stay; failures are Ray Train's to retry, within the budgets."""
@@ -194,8 +195,8 @@ def _train_until_done(spec: WorkerSpec, callbacks: list | None) -> bool:
                 spec = replace(spec, expect_checkpoint=True)
                 continue
             reason = signals.handoff_reason(read_events(run_dir))
-            if reason == signals.STOP:
-                return True
+            if reason == signals.STOP:  # on request (True), or with budget.max_usd spent
+                return "budget" if signals.stop_why(read_events(run_dir)) == "budget" else True
             if reason == signals.REPLICAS_TOO_FEW:
                 gave_up = [e for e in read_events(run_dir) if e["event"] == reason][-1]
                 raise UserError(
@@ -248,7 +249,7 @@ def _start_again_after(exc: Exception, spec: WorkerSpec, failed_at: int | None) 
     return step
 
 
-def _publish(spec: WorkerSpec, tracker, started: float, stopped: bool) -> dict[str, Any]:
+def _publish(spec: WorkerSpec, tracker, started: float, stopped: bool | str) -> dict[str, Any]:
     """The summary of the run as its newest checkpoint left it; with tracking, the final
     weights, tokenizer and summary as artifacts, and the MLflow run ended."""
     cfg, run_dir = spec.config, spec.run_dir
@@ -281,9 +282,11 @@ def _publish(spec: WorkerSpec, tracker, started: float, stopped: bool) -> dict[s
     }
     run_dir.write_text(json.dumps(summary, indent=2), SUMMARY_FILE)
     if stopped:
+        why = "spent budget.max_usd" if stopped == "budget" else "stopped"
+        again = "with a larger budget.max_usd" if stopped == "budget" else "again"
         print(
-            f"[raytrain-lm] run '{cfg.name}' stopped at step {state.step} with a checkpoint; "
-            "run the same command again to resume",
+            f"[raytrain-lm] run '{cfg.name}' {why} at step {state.step} with a checkpoint; "
+            f"run the same command {again} to resume",
             flush=True,
         )
     if tracker is not None:

@@ -34,8 +34,10 @@ class ProgressBar:
         parts += [
             f"{metrics['perf/tokens_per_s'] / 1e3:.1f}k tok/s",
             f"MFU {100 * metrics['perf/mfu']:.1f}%",
-            f"{_duration(elapsed)}<{_duration(eta)}",
         ]
+        if "cost/spent" in metrics:  # with budget.* set
+            parts.append(f"${metrics['cost/spent']:,.2f} of ~${metrics['cost/projected']:,.2f}")
+        parts.append(f"{_duration(elapsed)}<{_duration(eta)}")
         # The real stdout: Ray Train's patched print would echo the line twice once another
         # library (MLflow) has wrapped sys.stdout.
         print(" | ".join(parts), file=sys.__stdout__, flush=True)

@@ -185,7 +185,7 @@ class ChiefTracker:
         self.tracker, self.worker = tracker, worker
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        if self.worker.is_chief:
+        if self.worker.speaks_for_run:
             self.tracker.log_metrics(metrics, step=step)
 
     def flush(self) -> None:
@@ -198,5 +198,5 @@ class ChiefProgress(ProgressBar):
         self.worker = worker
 
     def update(self, step: int, metrics: dict[str, float], force: bool = False) -> None:
-        if self.worker.is_chief:
+        if self.worker.speaks_for_run:
             super().update(step, metrics, force)

@@ -96,6 +96,13 @@ class ReplicaWorker(Worker):
         return self.participant == 0
 
     @property
+    def speaks_for_run(self) -> bool:
+        """Whether this group's metrics and progress go out: the chief's, unless it is leaving
+        the others to train on (a spot notice). It reads its queued steps as it leaves, but
+        every group queued them: the next chief logs them once, at its next read."""
+        return self.is_chief and not (self.leaving and self.participants > 1)
+
+    @property
     def fault_rank(self) -> int:
         return self.group
 

@@ -55,3 +55,9 @@ def handoff_reason(events: list[dict[str, Any]]) -> str | None:
         elif event["event"] in (PREEMPTION, STOP, LIGHTHOUSE_LOST, REPLICAS_TOO_FEW):
             reason = event["event"]
     return reason
+
+
+def stop_why(events: list[dict[str, Any]]) -> str:
+    """Why the newest stop was raised: "request" (the user's) or "budget" (budget.max_usd)."""
+    stops = [e for e in events if e["event"] == STOP]
+    return stops[-1].get("why", "request") if stops else "request"

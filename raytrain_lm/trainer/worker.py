@@ -36,10 +36,10 @@ from raytrain_lm.trainer.balance import (
     per_type_metrics,
     type_weights,
 )
+from raytrain_lm.trainer.budget import BudgetGuard
 from raytrain_lm.trainer.cadence import Cadences, Flags
-from raytrain_lm.trainer.checkpoint import (
-    TrainState,
-)
+from raytrain_lm.trainer.checkpoint import TrainState
+from raytrain_lm.trainer.checkpoint_interval import observed_interruptions
 from raytrain_lm.trainer.collectives import FlagChannel, all_reduce
 from raytrain_lm.trainer.endings import Endings
 from raytrain_lm.trainer.evaluation import Evaluator
@@ -140,6 +140,8 @@ class Worker(Rebalancing, Endings):
         self.last_report_step = 0
         self.upload_deadline: float | None = None  # a spot notice's deadline (wall clock)
         self.heartbeats: HeartbeatWriter | None = None  # rank 0's, from start()
+        self.budget: BudgetGuard | None = None  # rank 0's, from start(), with budget.* set
+        self.stop_reason = "request"  # or "budget": why a stop flag was raised
         self.train_loss = float("nan")
         self.tick = time.perf_counter()  # when this step began, on the host (for pacing)
 
@@ -239,10 +241,15 @@ class Worker(Rebalancing, Endings):
         prices, my_type = self.cfg.fault.price_per_hour, self.types[self.rank]
         my_price = hardware.by_accelerator_type(prices, my_type) or 0.0
         group_price = all_reduce([my_price], self.device)
+        self.group_price = group_price[0]
         if self.is_chief:
             if self.cfg.training.ledger:
                 ledger.discard_after(self.run_dir, state.step)
             close_previous_segment(self.run_dir)
+            if self.cfg.budget.max_usd or self.cfg.budget.deadline:
+                self.budget = BudgetGuard(self.cfg.budget, self.run_dir, self.end_step)
+            if self.cfg.checkpoint.every_steps == "auto":
+                self.interruptions = observed_interruptions(self.run_dir)
             self.heartbeats = HeartbeatWriter(self.run_dir)
             self.events = [
                 append_event(
@@ -360,7 +367,7 @@ class Worker(Rebalancing, Endings):
         """Rank 0's signal flags (whether to ask Ray about preemption, whether a stop was
         requested), carried to every rank each step without waiting for the device."""
         ask = self.is_chief and self.every.signals.due(self.state.step, self.end_step)
-        stop = ask and signals.stop_requested(self.run_dir)
+        stop = ask and (signals.stop_requested(self.run_dir) or self._budget_spent())
         asks, stops = self.flag_channel.share([int(ask), int(stop)])
         return Flags(ask=asks > 0, stop=stops > 0)
 
@@ -387,6 +394,9 @@ class Worker(Rebalancing, Endings):
                 "perf/data_wait_fraction": min(1.0, interval.data_wait_s / seconds),
             }
         )
+        if self.budget is not None:
+            now, step_s = time.time(), seconds / steps
+            metrics |= self.budget.metrics(self.events, now, step, step_s, self.group_price)
         if self.device.type == "cuda":  # the caching allocator's count: no device sync
             peak = torch.cuda.max_memory_allocated(self.device)
             metrics["perf/memory_peak_gib"] = peak / 2**30

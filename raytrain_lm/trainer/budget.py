@@ -1,0 +1,73 @@
+"""The chief's running account against `budget.max_usd` and `budget.deadline`.
+
+Spend is what goodput.py prices from the run's events: every worker group's lifetime (this one
+up to now, every earlier one, restarts and recoveries included) x its hourly price
+(`fault.price_per_hour`). The projection adds the steps left at the recent step time and this
+group's price. When the projection passes the budget, or the expected finish passes the
+deadline, the run says so once; when the spend reaches the budget, the chief raises the stop
+flag, and the group checkpoints at that step boundary and ends (`stop` event, `why: budget`):
+resuming with a larger budget continues from exactly there.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from raytrain_lm.config import BudgetConfig
+from raytrain_lm.rundir import RunDir
+from raytrain_lm.trainer.goodput import read_events, summarize
+from raytrain_lm.trainer.progress import announce
+
+
+class BudgetGuard:
+    def __init__(self, budget: BudgetConfig, run_dir: RunDir, end_step: int):
+        """Called by the chief as its group starts, after the previous group's end is
+        recorded and before this one's start: the earlier groups' spend is final then."""
+        events = read_events(run_dir)
+        self.budget, self.end_step = budget, end_step
+        self.spent_before = summarize(events).cost
+        starts = [e["t"] for e in events if e["event"] == "job_start"]
+        self.first_start = min(starts) if starts else time.time()
+        self.warned: set[str] = set()
+
+    def spent(self, segment_events: list[dict[str, Any]], now: float) -> float:
+        return self.spent_before + summarize(segment_events, now).cost
+
+    def exhausted(self, segment_events: list[dict[str, Any]], now: float) -> bool:
+        limit = self.budget.max_usd
+        return limit is not None and self.spent(segment_events, now) >= limit
+
+    def metrics(
+        self, segment_events: list[dict[str, Any]], now: float, step: int, step_s: float,
+        usd_per_hour: float,
+    ) -> dict[str, float]:  # fmt: skip
+        """`cost/projected` (and `time/projected_finish_h`) at `step`, saying once when
+        either passes its limit."""
+        left_s = max(0, self.end_step - step) * step_s
+        spent = self.spent(segment_events, now)
+        projected = spent + left_s * usd_per_hour / 3600
+        finish_h = (now + left_s - self.first_start) / 3600
+        limit, deadline_s = self.budget.max_usd, self.budget.deadline_s
+        if limit is not None and projected > limit and "budget" not in self.warned:
+            self.warned.add("budget")
+            announce(
+                f"budget: ${spent:,.2f} spent by step {step}; at this pace the run would cost "
+                f"${projected:,.2f}, over budget.max_usd=${limit:,.2f}: it will stop, with a "
+                "checkpoint, when the budget is spent"
+            )
+        if (
+            deadline_s is not None
+            and finish_h * 3600 > deadline_s
+            and "deadline" not in self.warned
+        ):
+            self.warned.add("deadline")
+            announce(
+                f"deadline: at this pace the run finishes {finish_h:,.1f} h after its first "
+                f"start, past budget.deadline={self.budget.deadline}"
+            )
+        return {
+            "cost/spent": spent,
+            "cost/projected": projected,
+            "time/projected_finish_h": finish_h,
+        }
