@@ -108,6 +108,11 @@ LLAMA_TP = ["model.arch=llama", "parallel.strategy=fsdp"]  # where tensor parall
         ),
         (["budget.max_usd=100"], "budget.max_usd counts fault.price_per_hour: set it"),
         (["budget.deadline=soon"], "a duration is a number with d, h or m"),
+        (["budget.deadline=0"], "a deadline is a positive duration"),
+        (
+            ["scaling.fault_tolerance=replicas", "budget.max_usd=9", "fault.price_per_hour={a: 1}"],
+            "replica groups cannot keep to it yet",
+        ),
     ],
 )
 def test_config_errors_name_the_key(overrides, message):

@@ -177,7 +177,8 @@ def test_a_run_that_spends_its_budget_checkpoints_ends_and_resumes_exactly(
     step, with a $14 budget. The spend reaches it mid-run: the group checkpoints at that step
     and ends, `stopped: "budget"`, the spend and projection are in MLflow. Resumed with a
     larger budget, it finishes with every step's loss that of the uninterrupted run and every
-    sequence position once."""
+    sequence position once. Started again with the same budget, it is refused before any
+    worker starts."""
     from mlflow.tracking import MlflowClient
 
     import raytrain_lm
@@ -196,6 +197,8 @@ def test_a_run_that_spends_its_budget_checkpoints_ends_and_resumes_exactly(
     assert stop["why"] == "budget" and stop["step"] == first["steps"]
     assert first["goodput"]["cost_total"] >= 14
     monkeypatch.delenv(faults.ENV_VAR)
+    with pytest.raises(UserError, match=r"has spent \$[0-9.,]+ of budget.max_usd=\$14.00: raise"):
+        raytrain_lm.train(load_config(None, [*priced, "budget.max_usd=14"]), sample=False)
     done = raytrain_lm.train(load_config(None, [*priced, "budget.max_usd=1000"]), sample=False)
     assert done["steps"] == 12 and not done["stopped"]
     assert read_ledger(run_dir).tolist() == list(range(12 * 12))

@@ -82,8 +82,14 @@ def test_the_worker_settles_strategy_and_mesh_together():
     layout, estimate = choose_layout(auto, nodes, 10**9, 16 * GIB, previous=None)
     assert layout.describe() == "hsdp: mesh 2 (replicate) x 2 (shard)"
     assert layout.order == (0, 2, 1, 3) and estimate.group == 2
+    # A resumed run keeps its checkpoints' format: ddp stays ddp (it fits the device); a
+    # sharded one picks hsdp or fsdp afresh for the nodes it now has.
+    layout, _ = choose_layout(auto, nodes, 10**9, 16 * GIB, previous="ddp")
+    assert layout.describe() == "ddp over 4 workers"
     layout, _ = choose_layout(auto, nodes, 10**9, 16 * GIB, previous="fsdp")
-    assert layout.describe() == "fsdp: mesh 4 (shard)"  # a run keeps its checkpoints' strategy
+    assert layout.describe() == "hsdp: mesh 2 (replicate) x 2 (shard)"
+    layout, _ = choose_layout(auto, ["a"] * 4, 10**9, 16 * GIB, previous="hsdp")
+    assert layout.describe() == "fsdp: mesh 4 (shard)"  # one node now
     with pytest.raises(UserError, match="does not fit under parallel.strategy=ddp"):
         choose_layout(ParallelConfig(strategy="ddp"), nodes, 10**9, 8 * GIB, previous=None)
 
@@ -162,5 +168,25 @@ def test_a_tensor_parallel_checkpoint_resumes_and_reshards(four_ranks, tmp_path)
     folder = Path(four_ranks["out"]) / "checkpoint-tp"
     whole = load_file(str(folder / "model.safetensors"))
     rebuilt = consolidated_weights(folder, parallel_check.ARCHS["llama"]())
+    for name, tensor in whole.items():
+        assert torch.equal(rebuilt[name], tensor), name
+
+
+def test_shards_of_ranks_numbered_across_nodes_are_where_the_checkpoint_says(four_ranks):
+    """fsdp over ranks on nodes a, b, a, b (mesh order 0, 2, 1, 3): saved at step 10 and loaded
+    by ranks in plain order, a different cut of every tensor, it continues within 1e-5 of the
+    run that saved it; the whole weights rank 0 gathered equal those rebuilt from the shards."""
+    from safetensors.torch import load_file
+
+    from raytrain_lm.trainer.sharded import consolidated_weights
+
+    results = four_ranks["gpt2"]
+    assert results["fsdp_layout"] == [0, 2, 1, 3]
+    after_save = results["fsdp_losses"][parallel_check.SAVE_AT :]
+    gap = max(abs(a - b) for a, b in zip(results["fsdp_resumed"], after_save, strict=True))
+    assert gap < 1e-5, gap
+    folder = Path(four_ranks["out"]) / "checkpoint-fsdp"
+    whole = load_file(str(folder / "model.safetensors"))
+    rebuilt = consolidated_weights(folder, parallel_check.ARCHS["gpt2"]())
     for name, tensor in whole.items():
         assert torch.equal(rebuilt[name], tensor), name

@@ -26,7 +26,8 @@ def _history(summary: dict, uri: str) -> list[tuple[int, float]]:
 def test_tensor_parallel_hsdp_run_takes_ddps_steps(
     ray_session, tiny_overrides, shared_dirs, tmp_path
 ):
-    """A llama on 4 workers as hsdp 2 (replicate) x 1 (shard) x 2 (tensor), checkpointed
+    """A llama on 4 workers as hsdp 2 (replicate) x 1 (shard) x 2 (tensor), with selective
+    activation checkpointing (applied after tensor parallelism: torchtitan's order), checkpointed
     (DCP) midway, against the same run under DDP on 2 workers (the same 2 data-parallel
     shares): every step's loss within 1e-4 in fp32, the val loss within 1e-3, every sequence
     position once in the ledger. The DDP run also checks checkpoint.every_steps=auto: after
@@ -66,6 +67,7 @@ def test_tensor_parallel_hsdp_run_takes_ddps_steps(
         "parallel.strategy=hsdp",
         "parallel.shard_size=1",
         "parallel.tensor_parallel=2",
+        "training.activation_checkpointing=selective",  # wraps the blocks tensor parallelism split
     ]
     tp = raytrain_lm.train(load_config(None, [*common, *tensor]), sample=False)
     assert tp["steps"] == STEPS and tp["tokens"] == ddp["tokens"]

@@ -14,17 +14,20 @@ class BudgetConfig(_Section):
         description="at this spend (fault.price_per_hour x workers x time, every restart "
         "included) the run checkpoints and ends, resumable with a larger budget",
     )
-    deadline: str | None = Field(
-        None, description="e.g. 36h, 2d: from the run's first start; a projection past it is said"
+    deadline: str | float | None = Field(
+        None,
+        description="e.g. 36h, 2d or hours: from the run's first start; a projection past it "
+        "is said",
     )
 
     @field_validator("deadline")
     @classmethod
-    def _a_duration(cls, value: str | None) -> str | None:
+    def _a_duration(cls, value: str | float | None) -> str | float | None:
         if value is not None:
             from raytrain_lm.costs.durations import parse_duration_h
 
-            parse_duration_h(value)
+            if parse_duration_h(value) <= 0:
+                raise ValueError("a deadline is a positive duration")
         return value
 
     @property

@@ -166,6 +166,11 @@ class RunConfig(_Section):
                 "checkpoint.every_steps=auto agrees the interval across one worker group; "
                 "with scaling.fault_tolerance=replicas give a number of steps"
             )
+        if self.budget.max_usd is not None:
+            raise ValueError(
+                "budget.max_usd stops one worker group; replica groups cannot keep to it yet: "
+                "use scaling.fault_tolerance=restart, or plan the cost (raytrain-lm plan)"
+            )
         if self.training.global_batch_size < self.scaling.max_size:
             raise ValueError(
                 f"training.global_batch_size ({self.training.global_batch_size}) gives fewer "

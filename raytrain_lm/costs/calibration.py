@@ -23,9 +23,9 @@ def measured_inputs(run_dir: RunDir, catalog: Catalog) -> dict:
     summary = json.loads(text) if text else {}
     events = read_events(run_dir)
     mfu = {
-        kind: figures["mfu"]
+        _catalog_key(kind, catalog): figures["mfu"]
         for kind, figures in (summary.get("per_type") or {}).items()
-        if kind in catalog.types and figures.get("mfu")
+        if _catalog_key(kind, catalog) and figures.get("mfu")
     }
     if mfu:
         found["mfu"] = mfu
@@ -64,8 +64,18 @@ def _node_hours(events: list[dict], catalog: Catalog) -> dict[str, float]:
         if until is None:
             continue
         for kind in set(start.get("types") or []):
-            if kind in catalog.types:
+            key = _catalog_key(kind, catalog)
+            if key:
                 workers = start["types"].count(kind)
-                nodes = math.ceil(workers / catalog.types[kind].gpus_per_node)
-                hours[kind] = hours.get(kind, 0.0) + nodes * (until - start["t_start"]) / 3600
+                nodes = math.ceil(workers / catalog.types[key].gpus_per_node)
+                hours[key] = hours.get(key, 0.0) + nodes * (until - start["t_start"]) / 3600
     return hours
+
+
+def _catalog_key(kind: str, catalog: Catalog) -> str | None:
+    """The catalog's entry for a type a run reported, as prices are looked up: the same name
+    (case aside), else the longest catalog name it contains ("A100" for "A100-80G")."""
+    for key in sorted(catalog.types, key=len, reverse=True):
+        if key.upper() == kind.upper() or key.upper() in kind.upper():
+            return key
+    return None

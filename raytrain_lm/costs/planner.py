@@ -100,11 +100,14 @@ def estimate(
     io_s = CHECKPOINT_BYTES_PER_PARAM * inputs.params / (writers * STORAGE_BYTES_PER_S)
     checkpoint_s = inputs.checkpoint_s if inputs.checkpoint_s is not None else io_s
     nodes = math.ceil(workers / kind.gpus_per_node)
-    per_node = inputs.interruptions_per_node_hour.get(
-        accelerator, offer.interruptions_per_node_hour if capacity == "spot" else 0.0
-    )
+    per_node = 0.0  # on-demand capacity is not taken back
+    if capacity == "spot":
+        per_node = inputs.interruptions_per_node_hour.get(
+            accelerator, offer.interruptions_per_node_hour
+        )
     rate = nodes * per_node / 3600
-    recovery = (inputs.recovery_s if inputs.recovery_s is not None else DEFAULT_RECOVERY_S) + io_s
+    # A measured recovery ran from the last progress to the next first step: restoring is in it.
+    recovery = inputs.recovery_s if inputs.recovery_s is not None else DEFAULT_RECOVERY_S + io_s
     interval = best_interval_s(compute_s, checkpoint_s, rate, recovery)
     wall_s = expected_wall_s(compute_s, interval, checkpoint_s, rate, recovery)
     step_s = inputs.tokens_per_step / tokens_per_s

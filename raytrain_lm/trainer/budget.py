@@ -15,9 +15,22 @@ import time
 from typing import Any
 
 from raytrain_lm.config import BudgetConfig
+from raytrain_lm.errors import UserError
 from raytrain_lm.rundir import RunDir
 from raytrain_lm.trainer.goodput import read_events, summarize
 from raytrain_lm.trainer.progress import announce
+
+
+def refuse_if_spent(budget: BudgetConfig, run: str, run_dir: RunDir) -> None:
+    """Before a resume: a run whose spend has reached budget.max_usd would only start a worker
+    group to stop it again, spending more."""
+    limit = budget.max_usd
+    spent = summarize(read_events(run_dir)).cost if limit is not None else 0.0
+    if limit is not None and spent >= limit:
+        raise UserError(
+            f"run '{run}' has spent ${spent:,.2f} of budget.max_usd=${limit:,.2f}: raise it "
+            "(--set budget.max_usd=...) to resume"
+        )
 
 
 class BudgetGuard:

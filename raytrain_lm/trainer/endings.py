@@ -146,8 +146,7 @@ class Endings:
         save_s = time.perf_counter() - saving  # the training's pause (uploads overlap steps)
         if self.is_chief:
             self._event("checkpoint_saved", step=state.step, save_s=save_s)
-        if self.cfg.checkpoint.every_steps == "auto" and not final:
-            self._set_checkpoint_interval(save_s)
+        choose_interval = self.cfg.checkpoint.every_steps == "auto" and not final
         # A chaos test's kill after this checkpoint means after it is complete: wait for it.
         final = final or faults.targets(self.spec.fault, "kill-after-checkpoint", state.step)
         try:
@@ -159,6 +158,8 @@ class Endings:
         faults.maybe_fire(
             self.spec.fault, "kill-after-checkpoint", state.step, self.fault_rank, self.run_dir
         )
+        if choose_interval:  # after the report, which every rank reaches: no rank waits long
+            self._set_checkpoint_interval(save_s)
         self.last_report_step = state.step
         self.ledger = []
         self.watchdog.beat()

@@ -42,6 +42,7 @@ from raytrain_lm.storage import check_writable
 from raytrain_lm.tokenization import load_tokenizer
 from raytrain_lm.tracking import MLflowTracker
 from raytrain_lm.trainer import faults, signals
+from raytrain_lm.trainer.budget import refuse_if_spent
 from raytrain_lm.trainer.capacity import create_capacity_view, refresh_capacity_view
 from raytrain_lm.trainer.checkpoint import (
     MODEL_FILE,
@@ -106,11 +107,9 @@ def train(
         state = read_state(previous)
         previous_strategy = state.strategy
         check_strategy_resumes(cfg.name, cfg.parallel.strategy, state.strategy)
-        print(
-            f"[raytrain-lm] resuming run '{cfg.name}' from {previous.name}: step {state.step}, "
-            f"{state.tokens:,} tokens",
-            flush=True,
-        )
+        refuse_if_spent(cfg.budget, cfg.name, run_dir)
+        print(f"[raytrain-lm] resuming run '{cfg.name}' from {previous.name}: step "
+              f"{state.step}, {state.tokens:,} tokens", flush=True)  # fmt: skip
     # Nothing is written before the tracking store answered: a run refused here leaves no trace.
     tracker = _open_tracking(cfg, run_dir, parent_run_id, tags)
     run_dir.create()

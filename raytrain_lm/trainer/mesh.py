@@ -140,7 +140,13 @@ def _check_groups_follow_nodes(
 def build_meshes(layout: Layout, device_type: str):
     """(data-parallel mesh for fully_shard, tensor-parallel mesh or None). The data-parallel
     mesh is 1-D (shard) under fsdp, 2-D (replicate, shard) under hsdp; the tensor dimension is
-    innermost. Every rank calls this at the same point: it creates the process groups."""
+    innermost. Every rank calls this at the same point: it creates the process groups.
+
+    Each group is made here, its ranks in the layout's order (`sort_ranks=False`): FSDP2 cuts
+    a parameter by a rank's place in its group, DTensor and DCP by its place in the mesh, and
+    DeviceMesh's own groups would be sorted (or, spanning the world, the default group in rank
+    order), silently swapping shards whenever Ray's numbering interleaves the nodes."""
+    import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
     dims = [("replicate", layout.replicate)] if layout.strategy == "hsdp" else []
@@ -149,6 +155,14 @@ def build_meshes(layout: Layout, device_type: str):
         dims.append(("tensor", layout.tensor))
     names = tuple(name for name, _ in dims)
     ranks = torch.tensor(layout.order).view(*(n for _, n in dims))
-    mesh = DeviceMesh(device_type, ranks, mesh_dim_names=names)
+    me, mine = dist.get_rank(), []
+    for d in range(ranks.dim()):
+        found = None
+        for members in ranks.movedim(d, -1).reshape(-1, ranks.shape[d]).tolist():
+            group = dist.new_group(ranks=members, sort_ranks=False)  # every rank, every group
+            if me in members:
+                found = group
+        mine.append(found)
+    mesh = DeviceMesh.from_group(mine, device_type, mesh=ranks, mesh_dim_names=names)
     data = mesh["replicate", "shard"] if layout.strategy == "hsdp" else mesh["shard"]
     return data, (mesh["tensor"] if layout.tensor > 1 else None)

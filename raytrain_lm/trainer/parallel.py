@@ -21,7 +21,7 @@ import torch
 from raytrain_lm.causal_lm import CausalLM
 from raytrain_lm.config import ParallelConfig
 from raytrain_lm.errors import UserError
-from raytrain_lm.trainer.mesh import Layout, plan_layout
+from raytrain_lm.trainer.mesh import Layout, build_meshes, plan_layout
 
 # Persistent bytes per parameter while training with AdamW in fp32 master weights: the weight
 # (4), its gradient (4) and the two moments (8). Mixed precision adds only transient bf16 copies.
@@ -67,14 +67,13 @@ class MemoryEstimate:
 
 
 def choose_strategy(setting: str, estimate: MemoryEstimate, previous: str | None) -> str:
-    """The strategy to train with: `setting` unless it is `auto`, in which case the one a run's
-    checkpoints were written with (`previous`), else the first of ddp, hsdp (when its shard
-    groups are smaller than the world: more than one node) and fsdp whose state fits."""
+    """The strategy to train with: `setting` unless it is `auto`, in which case the first of
+    ddp, hsdp (when its shard groups are smaller than the world: more than one node) and fsdp
+    whose state fits. A run keeps its checkpoints' format (`previous`): ddp stays ddp; a
+    sharded run picks hsdp or fsdp afresh for the nodes it now has (both read its shards)."""
     if setting != "auto":
         return setting
-    if previous is not None:
-        return previous
-    if estimate.fits("ddp"):
+    if previous == "ddp" or (previous is None and estimate.fits("ddp")):
         return "ddp"
     if estimate.group and estimate.group < estimate.world and estimate.fits("hsdp"):
         return "hsdp"
@@ -166,6 +165,32 @@ def shard_model(
     if mesh.device_type == "cpu":
         for unit in [*units, model]:
             unit.set_force_sum_reduction_for_comms(True)
+
+
+def apply_layout(
+    model: CausalLM,
+    layout: Layout,
+    device: torch.device,
+    bf16: bool,
+    reshard_after_forward: bool,
+    compile_blocks: bool,
+    recompute: str,
+) -> None:
+    """Tensor parallelism, then activation checkpointing, then FSDP2, in place (torchtitan's
+    order: tensor parallelism must find each block's own modules, not a checkpoint wrapper).
+    Under ddp only the checkpointing; DDP wraps the model later, for the step."""
+    from raytrain_lm.trainer.recompute import apply_activation_checkpointing
+
+    data_mesh = tensor_mesh = None
+    if layout.strategy != "ddp":
+        data_mesh, tensor_mesh = build_meshes(layout, device.type)
+    if tensor_mesh is not None:
+        from raytrain_lm.trainer.tensor_parallel import apply_tensor_parallel
+
+        apply_tensor_parallel(model, tensor_mesh)
+    apply_activation_checkpointing(model, recompute)
+    if data_mesh is not None:
+        shard_model(model, data_mesh, bf16, reshard_after_forward, compile_blocks)
 
 
 def replicate_model(model: torch.nn.Module, device: torch.device, world: int) -> torch.nn.Module:

@@ -83,6 +83,7 @@ class ReplicaWorker(Worker):
         self.whole_step: tuple[int, np.ndarray, np.ndarray] | None = None
         self.stop_seen = False
         self.leaving = False
+        self.regular_read = False  # whether the loop's current read is one every group makes
         self.uploads = ChiefUploads(self._upload, spec.reports)
         # Who took part in the latest step (roster.py): their types, and their price summed.
         self.participant_types: list[str] = []
@@ -97,10 +98,12 @@ class ReplicaWorker(Worker):
 
     @property
     def speaks_for_run(self) -> bool:
-        """Whether this group's metrics and progress go out: the chief's, unless it is leaving
-        the others to train on (a spot notice). It reads its queued steps as it leaves, but
-        every group queued them: the next chief logs them once, at its next read."""
-        return self.is_chief and not (self.leaving and self.participants > 1)
+        """Whether this group's metrics and progress go out: the chief's, except at a read it
+        makes only because it is leaving the others to train on (a spot notice): every group
+        queued those steps, and the next chief logs them once, at its next read. At a read
+        every group makes (log, eval, checkpoint steps) the others drop theirs: it logs."""
+        leaving_alone = self.leaving and self.participants > 1 and not self.regular_read
+        return self.is_chief and not leaving_alone
 
     @property
     def fault_rank(self) -> int:

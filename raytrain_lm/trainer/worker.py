@@ -50,18 +50,17 @@ from raytrain_lm.trainer.goodput import (
     close_previous_segment,
     summarize,
 )
-from raytrain_lm.trainer.mesh import Layout, build_meshes
+from raytrain_lm.trainer.mesh import Layout
 from raytrain_lm.trainer.parallel import (
+    apply_layout,
     choose_layout,
     device_memory_bytes,
     replicate_model,
-    shard_model,
 )
 from raytrain_lm.trainer.pending import WARMUP_STEPS, Interval, PendingSteps, Throughput
 from raytrain_lm.trainer.plan import BatchPlan, end_step, learning_rate
 from raytrain_lm.trainer.progress import ProgressBar, announce
 from raytrain_lm.trainer.rebalancing import Rebalancing
-from raytrain_lm.trainer.recompute import apply_activation_checkpointing
 from raytrain_lm.trainer.restore import restore_group
 from raytrain_lm.trainer.spec import WorkerSpec
 from raytrain_lm.trainer.step import StepParts, step_seed, train_step
@@ -93,22 +92,12 @@ class Worker(Rebalancing, Endings):
             from raytrain_lm.huggingface import load_hf_weights
 
             load_hf_weights(self.model, cfg.model.init_from)
-        apply_activation_checkpointing(self.model, cfg.training.activation_checkpointing)
         self.layout = self._choose_layout()
         self.strategy = self.layout.strategy
-        if self.sharded:
-            data_mesh, tensor_mesh = build_meshes(self.layout, self.device.type)
-            if tensor_mesh is not None:
-                from raytrain_lm.trainer.tensor_parallel import apply_tensor_parallel
-
-                apply_tensor_parallel(self.model, tensor_mesh)
-            shard_model(
-                self.model,
-                data_mesh,
-                self.bf16,
-                cfg.parallel.reshard_after_forward,
-                compile_blocks=self.compile,
-            )
+        apply_layout(
+            self.model, self.layout, self.device, self.bf16, cfg.parallel.reshard_after_forward,
+            self.compile, cfg.training.activation_checkpointing,
+        )  # fmt: skip
         # A tensor-parallel group reads the same sequences: data is split over the groups.
         self.data_rank, self.data_world = self.layout.data_rank(rank), self.layout.data_world
         self.types = self.ray.accelerator_types(world, self.device)  # each rank's, on every rank
@@ -240,8 +229,14 @@ class Worker(Rebalancing, Endings):
         state, plan = self.state, self.plan
         prices, my_type = self.cfg.fault.price_per_hour, self.types[self.rank]
         my_price = hardware.by_accelerator_type(prices, my_type) or 0.0
-        group_price = all_reduce([my_price], self.device)
-        self.group_price = group_price[0]
+        group_price, unpriced = all_reduce([my_price, float(my_price == 0)], self.device)
+        if unpriced and self.cfg.budget.max_usd is not None:  # it would cost nothing: refuse
+            raise UserError(
+                f"budget.max_usd: fault.price_per_hour gives no price for {int(unpriced)} of the "
+                f"workers' types ({sorted(set(self.types))}); add them, or a `default`"
+            )
+        self.group_price = group_price
+        world_size = self.plan.world_size * self.layout.tensor  # replica groups: the groups
         if self.is_chief:
             if self.cfg.training.ledger:
                 ledger.discard_after(self.run_dir, state.step)
@@ -259,18 +254,18 @@ class Worker(Rebalancing, Endings):
                     t_start=self.t_start,
                     t_restored=time.time(),
                     restored_step=state.step,
-                    world_size=self.world,
+                    world_size=world_size,
                     layout=self.layout.describe(),
                     accumulation=plan.accumulation,
                     shares=list(plan.shares),
                     types=self.types,
-                    price_per_hour=group_price[0],
+                    price_per_hour=group_price,
                     nodes=sorted(self.ray.alive_node_ids()),  # lets a failure tell a lost node
                 )
             ]
             origin = f"resumed at step {state.step} ({state.tokens:,} tokens)"
             announce(
-                f"{origin if state.step else 'started'}; world size {self.world}, "
+                f"{origin if state.step else 'started'}; world size {world_size}, "
                 + plan.describe()
             )
         self.tracker.log_metrics(
@@ -304,7 +299,8 @@ class Worker(Rebalancing, Endings):
             ends = flags.raised and not last and self._ends_group(flags)
             if self.sync_counter is not None:
                 self.sync_counter.close_step(state.step)
-            reads = log_due or eval_due or checkpoint_due or ends
+            self.regular_read = log_due or eval_due or checkpoint_due  # every group reads
+            reads = self.regular_read or ends
             if not reads and state.step not in self.forced_reads:
                 continue  # nothing read: the host goes on queueing the next step
             metrics = self._read_pending()

@@ -87,6 +87,26 @@ def _checkpointed_tensor_parallel_run(out: Path, rank: int, world: int) -> dict:
     return {"tp_losses": losses, "tp_resumed": resumed}
 
 
+def _interleaved_fsdp_checkpoint(out: Path, rank: int, world: int) -> dict:
+    """fsdp over ranks that Ray numbered across nodes (a, b, a, b: the mesh's order is 0, 2,
+    1, 3): its DCP shards must say which rows each rank holds, whatever the group's numbering;
+    the whole weights rank 0 gathers are compared with those rebuilt from the shards."""
+    run = Run("gpt2", "fsdp", rank, world, nodes=NODES)
+    losses = run.steps(0, SAVE_AT)
+    folder = out / f"fsdp-rank{rank}"
+    state = TrainState(step=SAVE_AT, position=SAVE_AT * 8, strategy="fsdp")
+    save_sharded_checkpoint(folder, run.raw, run.optimizer, state, {}, rank, full_weights=True)
+    shared = out / "checkpoint-fsdp"
+    shared.mkdir(exist_ok=True)
+    for f in folder.iterdir():
+        f.rename(shared / f.name)
+    dist.barrier()
+    again = Run("gpt2", "fsdp", rank, world)  # rank order: another cut of every tensor
+    load_sharded_checkpoint(shared, again.raw, again.optimizer)
+    return {"fsdp_layout": list(run.layout.order), "fsdp_losses": losses + run.steps(SAVE_AT, STEPS),
+            "fsdp_resumed": again.steps(SAVE_AT, STEPS)}  # fmt: skip
+
+
 def main(out: Path) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -114,6 +134,8 @@ def main(out: Path) -> None:
                 0, STEPS
             ),
         }
+        if arch == "gpt2":
+            results[arch].update(_interleaved_fsdp_checkpoint(out, rank, world))
         if arch == "llama":  # tensor parallelism: llama's plan
             results[arch]["block_gap"] = _block_gap(rank)
             for strategy in ("fsdp", "hsdp"):
