@@ -156,37 +156,34 @@ def test_a_tensor_parallel_checkpoint_resumes_and_reshards(four_ranks, tmp_path)
     it continues bit for bit; under hsdp 2x2 without tensor parallelism (every tensor cut
     differently) within 1e-5; the whole weights rank 0 gathered equal those rebuilt from the
     shards in one process."""
-    from safetensors.torch import load_file
-
-    from raytrain_lm.trainer.sharded import consolidated_weights
-
     results = four_ranks["llama"]
     after_save = results["tp_losses"][parallel_check.SAVE_AT :]
     assert results["tp_resumed"]["same"] == after_save
     gap = max(abs(a - b) for a, b in zip(results["tp_resumed"]["hsdp"], after_save, strict=True))
     assert gap < 1e-5, gap
-    folder = Path(four_ranks["out"]) / "checkpoint-tp"
-    whole = load_file(str(folder / "model.safetensors"))
-    rebuilt = consolidated_weights(folder, parallel_check.ARCHS["llama"]())
-    for name, tensor in whole.items():
-        assert torch.equal(rebuilt[name], tensor), name
+    _assert_consolidates(Path(four_ranks["out"]) / "checkpoint-tp", "llama")
 
 
 def test_shards_of_ranks_numbered_across_nodes_are_where_the_checkpoint_says(four_ranks):
     """fsdp over ranks on nodes a, b, a, b (mesh order 0, 2, 1, 3): saved at step 10 and loaded
     by ranks in plain order, a different cut of every tensor, it continues within 1e-5 of the
     run that saved it; the whole weights rank 0 gathered equal those rebuilt from the shards."""
-    from safetensors.torch import load_file
-
-    from raytrain_lm.trainer.sharded import consolidated_weights
-
     results = four_ranks["gpt2"]
     assert results["fsdp_layout"] == [0, 2, 1, 3]
     after_save = results["fsdp_losses"][parallel_check.SAVE_AT :]
     gap = max(abs(a - b) for a, b in zip(results["fsdp_resumed"], after_save, strict=True))
     assert gap < 1e-5, gap
-    folder = Path(four_ranks["out"]) / "checkpoint-fsdp"
+    _assert_consolidates(Path(four_ranks["out"]) / "checkpoint-fsdp", "gpt2")
+
+
+def _assert_consolidates(folder: Path, arch: str) -> None:
+    """The whole weights rank 0 gathered into a sharded checkpoint equal, bit for bit, those
+    rebuilt from its shards in one process (where DCP's metadata says each piece is)."""
+    from safetensors.torch import load_file
+
+    from raytrain_lm.trainer.sharded import consolidated_weights
+
     whole = load_file(str(folder / "model.safetensors"))
-    rebuilt = consolidated_weights(folder, parallel_check.ARCHS["gpt2"]())
+    rebuilt = consolidated_weights(folder, parallel_check.ARCHS[arch]())
     for name, tensor in whole.items():
         assert torch.equal(rebuilt[name], tensor), name

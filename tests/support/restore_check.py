@@ -56,7 +56,11 @@ def main(mode: str, run_dir: Path, out: Path) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     if rank == 0:
         _write_checkpoint(run_dir)
-    dist.barrier()
+    else:  # not a barrier: on a loaded machine the write alone outlasts the 3-second timeout
+        marker = run_dir / f"checkpoint_{STEP:06d}" / checkpoint.MARKER_FILE
+        deadline = time.time() + 60
+        while not marker.exists() and time.time() < deadline:
+            time.sleep(0.05)
     seen: dict = {"interface": interface}
     started = time.time()
     model, optimizer = _model_and_optimizer(seed=2)  # other weights than the checkpoint's
