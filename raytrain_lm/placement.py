@@ -17,8 +17,10 @@ launches nodes for label selectors; with v1 a mixed run uses the GPU nodes alrea
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+from collections.abc import Iterator
 from typing import Any
 
 from raytrain_lm.config import ScalingConfig
@@ -56,14 +58,19 @@ def offers_cpu_nodes(cluster_resources: dict[str, float]) -> bool:
 
 
 def worker_resources(
-    scaling: ScalingConfig, gpu: bool, cluster_resources: dict[str, float]
+    scaling: ScalingConfig, gpu: bool, cluster_resources: dict[str, float], market: str = "spot"
 ) -> dict[str, Any]:
-    """Keyword arguments for Ray Train's ScalingConfig beyond the worker counts."""
+    """Keyword arguments for Ray Train's ScalingConfig beyond the worker counts. `market`:
+    under scaling.capacity=spot_first, `spot`, or `on_demand` for spot and on-demand nodes
+    alike (trainer/deadline.py)."""
     resources: dict[str, float] = {"CPU": scaling.cpus_per_worker, **scaling.worker_resources}
     if gpu:
         resources["GPU"] = scaling.gpus_per_worker
-    if scaling.capacity != "any":
-        resources[scaling.capacity] = MARKER_AMOUNT
+    capacity = scaling.capacity
+    if capacity == "spot_first":
+        capacity = "spot" if market == "spot" else "any"
+    if capacity != "any":
+        resources[capacity] = MARKER_AMOUNT
     extra: dict[str, Any] = {}
     types = accelerator_types(scaling)
     if types and (len(types) == 1 or not scaling.allow_mixed_accelerators):
@@ -112,6 +119,82 @@ def release_resource_requests(run_id: str) -> None:
     driver. Names are those of Ray 2.60 (data/_internal/cluster_autoscaler,
     train/v2/_internal/execution/scaling_policy).
     """
+    withdraw_request(f"train-{run_id}")
+
+
+class OnDemandRequests:
+    """Run `run`'s request for on-demand nodes (scaling.capacity=spot_first, behind its
+    deadline): `count` bundles of a worker's resources with the `on_demand` marker, asked of
+    Ray's autoscaling coordinator beside Ray Train's own request, which the coordinator merges
+    into what it asks the autoscaler for. Internal API (Ray 2.60's coordinator, as
+    release_resource_requests): if it moves, asking fails with a warning and the run stays
+    on spot."""
+
+    EXPIRE_AFTER_S = 180.0  # renewed by the chief every 20 s while it is wanted
+
+    def __init__(self, run: str, scaling: ScalingConfig, gpu: bool):
+        import ray
+
+        on_demand = scaling.model_copy(update={"capacity": "on_demand"})
+        placement = worker_resources(on_demand, gpu, ray.cluster_resources())
+        self.requester = on_demand_requester(run)
+        self.bundle = placement["resources_per_worker"]
+        self.selector = placement.get("label_selector", {})
+
+    def _coordinator(self):
+        from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
+            get_or_create_autoscaling_coordinator,
+        )
+
+        return get_or_create_autoscaling_coordinator()
+
+    def request(self, count: int) -> None:
+        import ray
+
+        try:
+            ray.get(
+                self._coordinator().request_resources.remote(
+                    requester_id=self.requester,
+                    resources=[dict(self.bundle) for _ in range(count)],
+                    label_selectors=[dict(self.selector) for _ in range(count)],
+                    expire_after_s=self.EXPIRE_AFTER_S,
+                ),
+                timeout=30,
+            )
+        except Exception:  # best effort: the run goes on with what it has
+            logger.warning("could not ask for on-demand nodes", exc_info=True)
+
+    def up(self) -> int:
+        """How many such bundles fit on the on-demand nodes that are up and not being drained
+        (by their total resources: nothing else of the run can use them while it is on spot)."""
+        from raytrain_lm.trainer.capacity import schedulable_nodes
+
+        fits = 0
+        for node in schedulable_nodes():
+            total = node.get("Resources", {})
+            if node.get("Alive") and total.get("on_demand", 0) > 0:
+                fits += min(int(total.get(k, 0.0) // v) for k, v in self.bundle.items() if v > 0)
+        return fits
+
+    def withdraw(self) -> None:
+        withdraw_request(self.requester)
+
+
+def on_demand_requester(run: str) -> str:
+    return f"raytrain-lm-on-demand-{run}"
+
+
+@contextlib.contextmanager
+def withdrawn_at_exit(run: str) -> Iterator[None]:
+    """Withdraws run `run`'s on-demand request (if any) however the block ends."""
+    try:
+        yield
+    finally:
+        withdraw_request(on_demand_requester(run))
+
+
+def withdraw_request(requester: str) -> None:
+    """Withdraws `requester`'s request from Ray's autoscaling coordinator (no-op if none)."""
     import ray
 
     try:
@@ -119,6 +202,6 @@ def release_resource_requests(run_id: str) -> None:
     except ValueError:  # nothing on this cluster ever asked the coordinator for resources
         return
     try:
-        ray.get(coordinator.cancel_request.remote(f"train-{run_id}"), timeout=30)
+        ray.get(coordinator.cancel_request.remote(requester), timeout=30)
     except Exception:  # best effort: the request still expires by itself
-        logger.warning("could not withdraw run %s's resource request", run_id, exc_info=True)
+        logger.warning("could not withdraw %s's resource request", requester, exc_info=True)

@@ -25,6 +25,10 @@ from pathlib import Path
 import pytest
 from conftest import TINY
 
+from raytrain_lm.data.ledger import read_ledger
+from raytrain_lm.rundir import RunDir
+from raytrain_lm.trainer.faults import stop_pacing
+from raytrain_lm.trainer.goodput import read_events
 from raytrain_lm.trainer.stopping import STOP_ACKNOWLEDGED
 
 pytestmark = [pytest.mark.cluster, pytest.mark.own_ray]
@@ -328,3 +332,95 @@ def test_demo_config_gets_cpu_nodes_and_a_stop_checkpoints_then_frees_them(local
     second = _cli("stop", "stuck", "--address", url)
     assert "stuck: ended at once" in second.stdout, second.stdout + second.stderr
     assert _wait_for_status(url, "stuck", "STOPPED", 140) < 100
+
+
+ALIVE_ON_DEMAND = """
+nodes = list_nodes(address=dashboard, detail=True, limit=100)
+result = sum(1 for n in nodes if n.state == "ALIVE" and "on_demand" in n.resources_total)
+"""
+STEPS, BATCH = 300, 12
+
+
+def _events_when(run_dir, done, timeout: float) -> list[dict]:
+    started = time.time()
+    while True:
+        events = read_events(run_dir)
+        if done(events):
+            return events
+        assert time.time() - started < timeout, [e["event"] for e in events][-20:]
+        time.sleep(2)
+
+
+def test_a_late_run_gets_an_on_demand_node_and_gives_it_back(local_cluster, storage):
+    """scaling.capacity=spot_first with budget.deadline=5m: 300 steps, at most 3 workers of
+    1.5 CPUs, so the two spot CPU nodes hold 2 and only the on-demand type a third. Paced at
+    2 s a step (`slow-steps`, as a group short of capacity would crawl), the run is behind the
+    uniform-progress line from its first step: it asks for an on-demand node, keeps training
+    on spot until the node is up, then restarts on 3 workers. Faster from there (the pacing is
+    switched off once the on-demand group runs: more workers would go faster on real nodes,
+    not on these 2 shared cores), it gets ahead past the margin and goes back to spot only;
+    the autoscaler removes the idle on-demand node. Every sequence trained once."""
+    url = local_cluster["dashboard"]
+    name = "late-run"
+    sets = [
+        *TINY,
+        "training.progress=true",
+        "training.log_every=10",
+        f"training.max_steps={STEPS}",
+        f"training.global_batch_size={BATCH}",
+        f"training.eval_every={STEPS}",
+        "training.ledger=true",
+        "checkpoint.every_steps=100",
+        "tracking.enabled=false",
+        "scaling.use_gpu=false",
+        "scaling.capacity=spot_first",
+        "budget.deadline=5m",
+        "scaling.min_workers=2",
+        "scaling.max_workers=3",
+        "scaling.cpus_per_worker=1.5",
+        "fault.price_per_hour={cpu:spot: 1, cpu:on_demand: 3}",
+        f"name={name}",
+    ]
+    args = [arg for item in sets for arg in ("--set", item)]
+    submitted = _cli(
+        "submit", *args, "--address", url, "--storage", str(storage), "--job-id", name,
+        RAYTRAIN_LM_FAULT="slow-steps:seconds=2",
+    )  # fmt: skip
+    assert submitted.returncode == 0, submitted.stderr[-2000:]
+    run_dir = RunDir.of(str(storage / "runs"), name)
+
+    def on_demand_group_started(events: list[dict]) -> bool:
+        switched = [i for i, e in enumerate(events) if e["event"] == "capacity"]
+        return bool(switched) and any(e["event"] == "first_step" for e in events[switched[0] :])
+
+    _events_when(run_dir, on_demand_group_started, 420)
+    stop_pacing(run_dir)
+    _wait_for_status(url, name, "SUCCEEDED", 420)
+    events = read_events(run_dir)
+    kinds = [e["event"] for e in events]
+    (asked,) = [e for e in events if e["event"] == "capacity_request"]
+    assert asked["workers"] == 1 and asked["slack_s"] < 0 and asked["world_size"] == 2
+    switches = [e for e in events if e["event"] == "capacity"]
+    assert [s["market"] for s in switches] == ["on_demand", "spot"], kinds
+    assert switches[0]["slack_s"] < 0 < 30 <= switches[1]["slack_s"]  # margin: 10 % of 5 min
+    groups = [e for e in events if e["event"] == "segment_start"]
+    assert [g["world_size"] for g in groups] == [2, 3, 2], kinds
+    assert [g["price_per_hour"] for g in groups] == [2.0, 5.0, 2.0]  # the on-demand one at $3
+    stops = [e.get("why") for e in events if e["event"] == "stop"]
+    assert stops == ["capacity", "capacity"]
+    assert read_ledger(run_dir).tolist() == list(range(STEPS * BATCH))
+
+    logs = _cli("logs", name, "--address", url).stdout
+    assert "asking for on-demand nodes for 1 more worker(s)" in logs
+    assert "restarting on on_demand capacity" in logs and "restarting on spot capacity" in logs
+    assert "back to spot nodes only; the on-demand nodes are given back" in logs
+    added = [line for line in logs.splitlines() if "Adding 1 node(s) of type cpu_on_demand" in line]
+    assert len(added) == 1, logs[-3000:]
+    placed = _state(url, PLACED_WORKERS.format(submission=name))
+    assert sum("on_demand" in resources for resources in placed) == 1, placed
+
+    # Nothing of the run fits on it since the switch back: it leaves on the idle timeout.
+    gone_by = time.time() + 120
+    while _state(url, ALIVE_ON_DEMAND) and time.time() < gone_by:
+        time.sleep(5)
+    assert _state(url, ALIVE_ON_DEMAND) == 0, "the on-demand node stayed after the switch back"

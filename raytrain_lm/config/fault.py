@@ -48,7 +48,8 @@ class FaultConfig(_Section):
     )
     price_per_hour: dict[str, float] = Field(
         default_factory=dict,
-        description="price per worker-hour by accelerator type (or 'cpu'), for live cost",
+        description="price per worker-hour by accelerator type (or 'cpu'), for live cost; "
+        "'A100:spot' or 'A100:on_demand' price a type by how its node is billed",
     )
 
 

@@ -92,6 +92,10 @@ class RunConfig(_Section):
             raise ValueError(
                 "budget.max_usd counts fault.price_per_hour: set it, e.g. {A100: 1.3, cpu: 0.1}"
             )
+        if self.scaling.capacity == "spot_first" and self.budget.deadline is None:
+            raise ValueError(
+                "scaling.capacity=spot_first keeps to budget.deadline: set it, e.g. 36h"
+            )
         if self.scaling.fault_tolerance == "replicas":
             self._replicas_fit()
             return self
@@ -170,6 +174,11 @@ class RunConfig(_Section):
             raise ValueError(
                 "budget.max_usd stops one worker group; replica groups cannot keep to it yet: "
                 "use scaling.fault_tolerance=restart, or plan the cost (raytrain-lm plan)"
+            )
+        if self.scaling.capacity == "spot_first":
+            raise ValueError(
+                "scaling.capacity=spot_first moves one worker group between spot and "
+                "on-demand nodes; replica groups cannot yet: use scaling.capacity=spot or any"
             )
         if self.training.global_batch_size < self.scaling.max_size:
             raise ValueError(

@@ -33,8 +33,11 @@ class ScalingConfig(_Section):
     accelerator_type: str | list[str] | None = Field(
         None, description="GPU type(s) workers may use, e.g. A100 or [A100, H100]"
     )
-    capacity: Literal["any", "spot", "on_demand"] = Field(
-        "any", description="which nodes workers may use (nodes carry a spot or on_demand resource)"
+    capacity: Literal["any", "spot", "on_demand", "spot_first"] = Field(
+        "any",
+        description="which nodes workers may use (nodes carry a spot or on_demand resource); "
+        "spot_first: spot while the run keeps to budget.deadline, on-demand added while it is "
+        "behind (docs/cost.md)",
     )
     label_selector: dict[str, str] = Field(
         default_factory=dict, description="Ray node labels workers require, e.g. {zone: us-a}"

@@ -124,7 +124,7 @@ def _adopt(pointer: dict[str, Any], run_dir: str) -> tuple[str, int] | None:
     """PBT's exploit: this trial continues from another trial's checkpoint. Copies it into
     this trial's run directory (a local folder or a bucket URI, like the donor's) as its only
     checkpoint (the trial's own are superseded), the marker last, with the donor's config as
-    the run's saved config, so the run resumes from it (launch._fit drops Ray Train's list of
+    the run's saved config, so the run resumes from it (fit.fit drops Ray Train's list of
     the removed checkpoints). Returns the donor's run name and step, or None when the
     checkpoint is the trial's own."""
     from raytrain_lm.trainer.checkpoint import (  # torch: only where a trial runs

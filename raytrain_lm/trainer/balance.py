@@ -147,7 +147,7 @@ def per_type_metrics(
             "tokens_per_s": kind_tokens_per_s,
             "mfu": min(1.0, flops_per_token * kind_tokens_per_s / (len(ranks) * peak)),
         }
-        price = hardware.by_accelerator_type(prices, kind)
+        price = hardware.price_per_hour(prices, kind)
         if price is not None and kind_tokens_per_s > 0:
             row["usd_per_mtok"] = price * len(ranks) / 3600.0 / kind_tokens_per_s * 1e6
         figures[kind] = row

@@ -17,6 +17,7 @@ from typing import Any
 from raytrain_lm.config import BudgetConfig
 from raytrain_lm.errors import UserError
 from raytrain_lm.rundir import RunDir
+from raytrain_lm.trainer.deadline import DeadlineCapacity, slack_s
 from raytrain_lm.trainer.goodput import read_events, summarize
 from raytrain_lm.trainer.progress import announce
 
@@ -43,6 +44,7 @@ class BudgetGuard:
         starts = [e["t"] for e in events if e["event"] == "job_start"]
         self.first_start = min(starts) if starts else time.time()
         self.warned: set[str] = set()
+        self.capacity: DeadlineCapacity | None = None  # scaling.capacity=spot_first (endings.py)
 
     def spent(self, segment_events: list[dict[str, Any]], now: float) -> float:
         return self.spent_before + summarize(segment_events, now).cost
@@ -79,8 +81,13 @@ class BudgetGuard:
                 f"deadline: at this pace the run finishes {finish_h:,.1f} h after its first "
                 f"start, past budget.deadline={self.budget.deadline}"
             )
-        return {
+        metrics = {
             "cost/spent": spent,
             "cost/projected": projected,
             "time/projected_finish_h": finish_h,
         }
+        if deadline_s is not None:
+            metrics["time/slack_s"] = slack_s(
+                step, self.end_step, now - self.first_start, deadline_s
+            )
+        return metrics

@@ -13,12 +13,15 @@ import numpy as np
 
 from raytrain_lm.config import to_yaml
 from raytrain_lm.data import ledger
+from raytrain_lm.placement import OnDemandRequests
 from raytrain_lm.rundir import CONFIG_FILE, TOKENIZER_FILE
 from raytrain_lm.trainer import faults, signals
 from raytrain_lm.trainer.cadence import Flags
 from raytrain_lm.trainer.checkpoint import prune_checkpoints, save_checkpoint, upload_checkpoint
 from raytrain_lm.trainer.checkpoint_interval import interval_steps
 from raytrain_lm.trainer.collectives import all_reduce
+from raytrain_lm.trainer.deadline import DeadlineCapacity, current_market, measured_restart_s
+from raytrain_lm.trainer.goodput import read_events
 from raytrain_lm.trainer.progress import announce
 
 
@@ -60,12 +63,37 @@ class Endings:
         )
         return True
 
-    def _budget_spent(self) -> bool:
-        """Rank 0: whether budget.max_usd is spent (then the stop flag goes up, as for a stop
-        request, and the group checkpoints and ends)."""
-        if self.budget is None or not self.budget.exhausted(self.events, time.time()):
+    def _chief_stops(self) -> bool:
+        """Rank 0: whether budget.max_usd is spent, or scaling.capacity=spot_first moves the
+        run to other nodes (then the stop flag goes up, as for a stop request, and the group
+        checkpoints and ends)."""
+        if self.budget is None:
             return False
-        self.stop_reason = "budget"
+        if self.budget.exhausted(self.events, time.time()):
+            self.stop_reason = "budget"
+            return True
+        if self.cfg.scaling.capacity != "spot_first":
+            return False
+        if self.budget.capacity is None:
+            events = read_events(self.run_dir)
+            self.budget.capacity = DeadlineCapacity(
+                market=current_market(events),
+                deadline_s=self.cfg.budget.deadline_s,
+                first_start=self.budget.first_start,
+                end_step=self.end_step,
+                max_workers=self.cfg.scaling.max_size,
+                restart_s=measured_restart_s(events),
+                requests=OnDemandRequests(
+                    self.cfg.name, self.cfg.scaling, self.device.type == "cuda"
+                ),
+            )
+        decision = self.budget.capacity.check(self.state.step, self.world)
+        for note in decision.notes:
+            self.events.append(self._event(note.event, **note.fields))
+            announce(note.line)
+        if decision.switch_to is None:
+            return False
+        self.stop_reason = "capacity"
         return True
 
     def _set_checkpoint_interval(self, save_s: float) -> None:

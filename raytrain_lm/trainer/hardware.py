@@ -56,6 +56,20 @@ def by_accelerator_type(table: Mapping[str, float], kind: str) -> float | None:
     return named.get("DEFAULT")
 
 
+def price_per_hour(
+    table: Mapping[str, float], kind: str, market: str | None = None
+) -> float | None:
+    """A worker's price from `fault.price_per_hour`: with its node's `market` (spot or
+    on_demand), a `TYPE:market` key first ("A100:spot"), then the type's own entry."""
+    if market:
+        suffix = f":{market}".upper()
+        marketed = {k[: -len(suffix)]: v for k, v in table.items() if k.upper().endswith(suffix)}
+        found = by_accelerator_type(marketed, kind) if marketed else None
+        if found is not None:
+            return found
+    return by_accelerator_type({k: v for k, v in table.items() if ":" not in k}, kind)
+
+
 def gpu_peak_flops(name: str) -> float | None:
     """Peak for a CUDA device name ("NVIDIA A100-SXM4-80GB") or a Ray accelerator type ("A100",
     "A100-80G", "L4"); None if unknown."""

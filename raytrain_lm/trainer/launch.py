@@ -23,21 +23,16 @@ from raytrain_lm.data.manifest import verify_shards
 from raytrain_lm.data.prepare import prepare
 from raytrain_lm.errors import UserError
 from raytrain_lm.huggingface import apply_init_from
-from raytrain_lm.placement import (
-    keep_gpu_nodes_releasable,
-    release_resource_requests,
-    worker_resources,
-)
+from raytrain_lm.placement import keep_gpu_nodes_releasable, withdrawn_at_exit
 from raytrain_lm.rundir import (
     CONFIG_FILE,
-    RAY_TRAIN_SNAPSHOT,
     SUMMARY_FILE,
     TOKENIZER_FILE,
     TRACKING_FILE,
     RunDir,
     is_uri,
 )
-from raytrain_lm.runtime import ensure_ray, use_gpu
+from raytrain_lm.runtime import ensure_ray
 from raytrain_lm.storage import check_writable
 from raytrain_lm.tokenization import load_tokenizer
 from raytrain_lm.tracking import MLflowTracker
@@ -52,10 +47,12 @@ from raytrain_lm.trainer.checkpoint import (
     latest_complete_checkpoint,
     read_state,
 )
+from raytrain_lm.trainer.deadline import current_market
+from raytrain_lm.trainer.fit import fit
 from raytrain_lm.trainer.goodput import append_event, close_previous_segment, read_events, summarize
 from raytrain_lm.trainer.plan import end_step
 from raytrain_lm.trainer.spec import TrackingTarget, WorkerSpec
-from raytrain_lm.trainer.stopping import GracefulStop, run_interruptibly
+from raytrain_lm.trainer.stopping import GracefulStop
 from raytrain_lm.trainer.storage_checks import check_nodes_see
 
 # What defines a run: resuming with any of these changed would silently make a different run.
@@ -185,17 +182,25 @@ def _train_until_done(spec: WorkerSpec, callbacks: list | None) -> bool | str:
     append_event(run_dir, "job_start", pid=os.getpid())
     handoffs = 0
     controller_failed_at: int | None = None  # the newest checkpoint's step at the last one
-    with GracefulStop(run_dir, cfg.fault.stop_timeout_s):
+    # spot_first: an on-demand request the chief made is the run's only while it trains
+    with GracefulStop(run_dir, cfg.fault.stop_timeout_s), withdrawn_at_exit(cfg.name):
         while True:
             try:
-                _fit(spec, callbacks)
+                fit(spec, callbacks)
             except Exception as exc:
                 controller_failed_at = _start_again_after(exc, spec, controller_failed_at)
                 spec = replace(spec, expect_checkpoint=True)
                 continue
-            reason = signals.handoff_reason(read_events(run_dir))
+            events = read_events(run_dir)
+            reason = signals.handoff_reason(events)
+            why = signals.stop_why(events) if reason == signals.STOP else None
+            if why == "capacity":  # scaling.capacity=spot_first: onto other nodes (deadline.py)
+                refresh_capacity_view()
+                spec = replace(spec, expect_checkpoint=True)
+                print(f"[raytrain-lm] restarting on {current_market(events)} capacity", flush=True)
+                continue
             if reason == signals.STOP:  # on request (True), or with budget.max_usd spent
-                return "budget" if signals.stop_why(read_events(run_dir)) == "budget" else True
+                return "budget" if why == "budget" else True
             if reason == signals.REPLICAS_TOO_FEW:
                 gave_up = [e for e in read_events(run_dir) if e["event"] == reason][-1]
                 raise UserError(
@@ -374,119 +379,6 @@ def _open_tracking(
         parent_run_id=parent_run_id,
         tags=tags,
         wait_s=cfg.tracking.start_wait_s,
-    )
-
-
-# ----------------------------------------------------------------------------- Ray Train
-
-
-def _fit(spec: WorkerSpec, callbacks: list | None = None) -> None:
-    """One TorchTrainer.fit(): Ray Train retries failures within it, within the budgets."""
-    from ray.train import CheckpointConfig, FailureConfig
-    from ray.train import RunConfig as RayRunConfig
-    from ray.train.torch import TorchTrainer
-    from ray.train.v2.api.config import LoggingConfig
-
-    from raytrain_lm.trainer.callbacks import EndAfterReplicasDone, FailureEvents
-    from raytrain_lm.trainer.loop import train_loop_per_worker
-
-    cfg, run_dir = spec.config, spec.run_dir
-    fault = cfg.fault
-    gpu = use_gpu(cfg.scaling)
-    # Read by Ray Train's controller, which inherits them from this process.
-    os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(fault.worker_start_timeout_s)
-    os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = str(fault.health_check_s)
-    os.environ["RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S"] = str(fault.preemption_check_s)
-    os.environ["RAY_TRAIN_COLLECTIVE_TIMEOUT_S"] = str(fault.collective_timeout_s)
-    # Ray Train lists the checkpoints reported to it in a snapshot and refuses to start a run
-    # whose listed checkpoints are gone, as those we prune are (or a PBT trial's superseded
-    # ones). The loop restores the newest complete checkpoint on disk itself, so Ray's list
-    # is not needed to resume.
-    run_dir.delete(RAY_TRAIN_SNAPSHOT)
-    trainer = TorchTrainer(
-        lambda: train_loop_per_worker(spec),
-        torch_config=_torch_config(cfg, gpu),
-        scaling_config=_scaling(cfg, gpu),
-        run_config=RayRunConfig(
-            name=cfg.name,
-            storage_path=str(run_dir.parent),
-            # We prune (last K plus the best by val loss): Ray's own keeps only top-K by one score.
-            checkpoint_config=CheckpointConfig(num_to_keep=None),
-            failure_config=FailureConfig(
-                max_failures=fault.max_failures, max_preemption_failures=fault.max_preemptions
-            ),
-            logging_config=LoggingConfig(log_level="WARNING"),
-            callbacks=[
-                FailureEvents(str(run_dir), fault.node_loss_wait_s if cfg.scaling.elastic else 0.0),
-                *(
-                    [EndAfterReplicasDone(str(run_dir), grace_s=10 * fault.health_check_s + 5)]
-                    if cfg.scaling.fault_tolerance == "replicas"
-                    else []
-                ),
-                *(callbacks or []),
-            ],
-        ),
-    )
-    started = time.time()
-    try:
-        run_interruptibly(trainer.fit)
-    except Exception:
-        done = _replicas_done_since(cfg, run_dir, started)
-        if done is None:
-            raise
-        if not done.get("too_few"):  # too few: the caller says why the run ended
-            print(
-                "[raytrain-lm] the replica groups are done; Ray Train's controller, still "
-                "waiting to replace a lost group, was ended",
-                flush=True,
-            )
-    finally:
-        # A run that ends cleanly has withdrawn its resource request already; one forced to
-        # end (a second signal, a failure) would leave it to expire, and idle nodes with it.
-        release_resource_requests(trainer.train_run_context.run_id)
-
-
-def _replicas_done_since(cfg: RunConfig, run_dir: RunDir, started: float) -> dict | None:
-    """The event of replica groups that ended this invocation themselves (their chief's),
-    after which a failing fit() is only its controller ended (callbacks.EndAfterReplicasDone)."""
-    if cfg.scaling.fault_tolerance != "replicas":
-        return None
-    done = [
-        e for e in read_events(run_dir) if e["event"] == signals.REPLICAS_DONE and e["t"] >= started
-    ]
-    return done[-1] if done else None
-
-
-def _torch_config(cfg: RunConfig, gpu: bool):
-    """Ray Train's process groups: one for the whole group (restart), or one per worker, each a
-    replica group of its own with torchft's Lighthouse on the head (replicas)."""
-    from ray.train.torch import TorchConfig
-
-    backend = "nccl" if gpu else "gloo"
-    timeout = int(cfg.fault.collective_timeout_s)
-    if cfg.scaling.fault_tolerance == "replicas":
-        from ray.train.v2.torch.torchft_config import TorchftConfig
-
-        from raytrain_lm.trainer.quorum import lighthouse_settings
-
-        return TorchftConfig(lighthouse_settings(cfg), backend=backend, timeout_s=timeout)
-    return TorchConfig(backend=backend, timeout_s=timeout)
-
-
-def _scaling(cfg: RunConfig, gpu: bool):
-    import ray
-    from ray.train import ScalingConfig
-
-    scaling = cfg.scaling
-    placement = worker_resources(scaling, gpu, ray.cluster_resources())
-    # Replica groups: Ray Train keeps max_workers groups (it replaces a lost one alone, as
-    # capacity allows); torchft's quorum trains on while at least min_workers take part.
-    elastic = scaling.elastic and scaling.fault_tolerance == "restart"
-    return ScalingConfig(
-        num_workers=(scaling.min_size, scaling.max_size) if elastic else scaling.max_size,
-        use_gpu=gpu,
-        elastic_resize_monitor_interval_s=scaling.resize_check_s,
-        **placement,
     )
 
 

@@ -65,6 +65,17 @@ class RaySide:
             return torch.cuda.get_device_name(device)
         return "cpu"
 
+    @staticmethod
+    def node_market() -> str | None:
+        """How this worker's node is billed: `spot` or `on_demand` (our cluster configs' node
+        resources), else None."""
+        node_id = ray.get_runtime_context().get_node_id()
+        for node in ray.nodes():
+            if node["NodeID"] == node_id:
+                resources = node.get("Resources", {})
+                return next((m for m in ("spot", "on_demand") if resources.get(m)), None)
+        return None
+
     def accelerator_types(self, world: int, device: torch.device) -> list[str]:
         """Every rank's accelerator type, in rank order (a collective)."""
         mine = self.node_accelerator_type(device)

@@ -89,7 +89,8 @@ class ReplicaWorker(Worker):
         self.participant_types: list[str] = []
         self.price_seen: float | None = None
         self.peer_throughput: dict[str, Any] | None = None  # a healed group's, to adopt
-        my_price = hardware.by_accelerator_type(spec.config.fault.price_per_hour, self.types[0])
+        prices, market = spec.config.fault.price_per_hour, self.ray.node_market()
+        my_price = hardware.price_per_hour(prices, self.types[0], market)
         self.my_price = my_price or 0.0
 
     @property

@@ -130,7 +130,7 @@ class Worker(Rebalancing, Endings):
         self.upload_deadline: float | None = None  # a spot notice's deadline (wall clock)
         self.heartbeats: HeartbeatWriter | None = None  # rank 0's, from start()
         self.budget: BudgetGuard | None = None  # rank 0's, from start(), with budget.* set
-        self.stop_reason = "request"  # or "budget": why a stop flag was raised
+        self.stop_reason = "request"  # or "budget", "capacity": why a stop flag went up
         self.train_loss = float("nan")
         self.tick = time.perf_counter()  # when this step began, on the host (for pacing)
 
@@ -228,7 +228,7 @@ class Worker(Rebalancing, Endings):
         """Records this worker group's start (events, ledger, first metrics) and announces it."""
         state, plan = self.state, self.plan
         prices, my_type = self.cfg.fault.price_per_hour, self.types[self.rank]
-        my_price = hardware.by_accelerator_type(prices, my_type) or 0.0
+        my_price = hardware.price_per_hour(prices, my_type, self.ray.node_market()) or 0.0
         group_price, unpriced = all_reduce([my_price, float(my_price == 0)], self.device)
         if unpriced and self.cfg.budget.max_usd is not None:  # it would cost nothing: refuse
             raise UserError(
@@ -363,7 +363,7 @@ class Worker(Rebalancing, Endings):
         """Rank 0's signal flags (whether to ask Ray about preemption, whether a stop was
         requested), carried to every rank each step without waiting for the device."""
         ask = self.is_chief and self.every.signals.due(self.state.step, self.end_step)
-        stop = ask and (signals.stop_requested(self.run_dir) or self._budget_spent())
+        stop = ask and (signals.stop_requested(self.run_dir) or self._chief_stops())
         asks, stops = self.flag_channel.share([int(ask), int(stop)])
         return Flags(ask=asks > 0, stop=stops > 0)
 

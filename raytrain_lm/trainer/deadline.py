@@ -1,0 +1,235 @@
+"""`scaling.capacity: spot_first`: spot nodes while the run keeps to `budget.deadline`, on-demand
+nodes added while it is behind, given back once it is ahead again.
+
+The rule is "Can't Be Late"'s uniform progress (Wu et al., NSDI'24): a run that has done the
+fraction p of its steps, t seconds after its first start, with a deadline D, is on schedule
+while p x D >= t. Its slack, p x D - t, is how far ahead of that line it is, in seconds.
+
+- On spot (the workers carry the `spot` marker: placement.py), a negative slack asks the
+  autoscaler for on-demand nodes for the workers the group lacks (up to scaling.max_workers)
+  through Ray's autoscaling coordinator, as Ray Train asks for its own workers. The group
+  keeps training on spot meanwhile; once on-demand nodes for them are up, the chief ends the
+  group at a step boundary with a checkpoint and the driver starts the next one without the
+  spot marker, on spot and on-demand nodes alike. A run that is ahead again (past the margin
+  below) before the nodes came withdraws the request.
+- Off spot, the new group's own resource request holds the on-demand nodes, so the chief
+  withdraws the extra one. A slack above the margin (twice the run's measured restart, within
+  1-10 % of D: each switch costs a restart) ends the group again, and the next one carries the
+  spot marker: nothing of the run fits on the on-demand nodes, which the autoscaler removes
+  once idle.
+
+Every request, withdrawal and switch is an event in the run's log (`capacity_request`,
+`capacity_withdrawn`, `capacity`) and a line. Which nodes a group may use is the newest
+`capacity` event's `market` (`current_market`), so a resumed run keeps to it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from raytrain_lm.costs.planner import DEFAULT_RECOVERY_S
+from raytrain_lm.trainer.goodput import summarize
+
+SPOT, ON_DEMAND = "spot", "on_demand"
+CAPACITY = "capacity"  # the event of a switch; its `market` is where the next group goes
+RENEW_EVERY_S = 20.0  # as Ray Train renews its own request (it expires after 180 s)
+MARGIN_FRACTION = (0.01, 0.10)  # of the deadline, bounds on the margin over the line
+
+
+def current_market(events: list[dict[str, Any]]) -> str:
+    """`spot`, or `on_demand` after a switch to on-demand nodes (then a group may use both)."""
+    switches = [e for e in events if e["event"] == CAPACITY]
+    return switches[-1]["market"] if switches else SPOT
+
+
+def slack_s(step: int, end_step: int, elapsed_s: float, deadline_s: float) -> float:
+    """Seconds ahead of the uniform-progress line (negative: behind it)."""
+    return step / max(1, end_step) * deadline_s - elapsed_s
+
+
+def margin_s(deadline_s: float, restart_s: float) -> float:
+    """How far ahead a run on on-demand nodes must be to give them back: two restarts (the
+    switch back, and one more interruption), within bounds set by the deadline."""
+    low, high = (f * deadline_s for f in MARGIN_FRACTION)
+    return min(high, max(low, 2 * restart_s))
+
+
+def measured_restart_s(events: list[dict[str, Any]]) -> float:
+    """The run's mean time from a group's end to the next one's first step, else the planner's
+    default (a cloud node's replacement)."""
+    goodput = summarize(events)
+    return goodput.recovery_s / goodput.restarts if goodput.restarts else DEFAULT_RECOVERY_S
+
+
+class CapacityRequests(Protocol):
+    """The autoscaler's side (placement.py's functions on a real cluster)."""
+
+    def request(self, count: int) -> None: ...
+    def up(self) -> int: ...
+    def withdraw(self) -> None: ...
+
+
+@dataclass
+class Note:
+    """An event for the run's log and the line that says it."""
+
+    event: str
+    fields: dict[str, Any]
+    line: str
+
+
+@dataclass
+class Decision:
+    notes: list[Note] = field(default_factory=list)
+    switch_to: str | None = None  # end this group: the next one goes to this market
+
+
+class DeadlineCapacity:
+    """The chief's side of spot_first, asked at its signal checks."""
+
+    def __init__(
+        self,
+        *,
+        market: str,
+        deadline_s: float,
+        first_start: float,
+        end_step: int,
+        max_workers: int,
+        restart_s: float,
+        requests: CapacityRequests,
+    ):
+        self.market, self.deadline_s, self.first_start = market, deadline_s, first_start
+        self.end_step, self.max_workers = end_step, max_workers
+        self.margin_s = margin_s(deadline_s, restart_s)
+        self.requests = requests
+        self.asked: int = 0  # on-demand workers asked for (spot phase)
+        self.renewed_at = 0.0
+        self.said_full = False
+        # Off spot, this group's own request (Ray Train's) now holds the on-demand nodes.
+        self.withdraw_pending = market == ON_DEMAND
+
+    def check(self, step: int, world: int, now: float | None = None) -> Decision:
+        now = time.time() if now is None else now
+        slack = slack_s(step, self.end_step, now - self.first_start, self.deadline_s)
+        figures = {"step": step, "slack_s": round(slack, 1), "world_size": world}
+        decision = Decision()
+        if self.market == ON_DEMAND:
+            if self.withdraw_pending:
+                self.requests.withdraw()
+                self.withdraw_pending = False
+            if slack > self.margin_s:
+                decision.switch_to = SPOT
+                decision.notes.append(
+                    Note(
+                        CAPACITY,
+                        {**figures, "market": SPOT},
+                        f"deadline: {slack:,.0f} s ahead of schedule at step {step} (margin "
+                        f"{self.margin_s:,.0f} s): back to spot nodes only; the on-demand "
+                        "nodes are given back",
+                    )
+                )
+            return decision
+        if self.asked and slack > self.margin_s:
+            self.requests.withdraw()
+            self.asked = 0
+            decision.notes.append(
+                Note(
+                    "capacity_withdrawn",
+                    figures,
+                    f"deadline: back on schedule at step {step} ({slack:,.0f} s ahead) before "
+                    "the on-demand nodes came: request withdrawn",
+                )
+            )
+        elif slack < 0 or self.asked:  # behind, or asked and not yet past the margin
+            self._ask(step, world, slack, now, figures, decision)
+        return decision
+
+    def _ask(
+        self, step: int, world: int, slack: float, now: float, figures: dict, decision: Decision
+    ) -> None:
+        """Asks for (or renews) on-demand nodes for the workers the group lacks; once they
+        are up, the group ends for the next to use them."""
+        wanted = self.max_workers - world
+        if wanted <= 0:
+            if not self.said_full:
+                self.said_full = True
+                decision.notes.append(
+                    Note(
+                        "capacity_full",
+                        figures,
+                        f"deadline: {-slack:,.0f} s behind schedule at step {step} with "
+                        f"scaling.max_workers={self.max_workers} workers already: on-demand "
+                        "nodes cannot add any",
+                    )
+                )
+            return
+        if self.asked != wanted or now - self.renewed_at >= RENEW_EVERY_S:
+            self.requests.request(wanted)
+            self.renewed_at = now
+            if self.asked != wanted:
+                decision.notes.append(
+                    Note(
+                        "capacity_request",
+                        {**figures, "workers": wanted},
+                        f"deadline: {-slack:,.0f} s behind schedule at step {step}: asking for "
+                        f"on-demand nodes for {wanted} more worker(s)",
+                    )
+                )
+            self.asked = wanted
+        if self.requests.up() >= wanted:
+            decision.switch_to = ON_DEMAND
+            decision.notes.append(
+                Note(
+                    CAPACITY,
+                    {**figures, "market": ON_DEMAND, "workers": wanted},
+                    f"deadline: on-demand nodes for {wanted} worker(s) are up at step {step} "
+                    f"({-slack:,.0f} s behind schedule): the group restarts on spot and "
+                    "on-demand nodes",
+                )
+            )
+
+    def _ask(
+        self, step: int, world: int, slack: float, now: float, figures: dict, decision: Decision
+    ) -> None:
+        """Asks for (or renews) on-demand nodes for the workers the group lacks; once they
+        are up, the group ends for the next to use them."""
+        wanted = self.max_workers - world
+        if wanted <= 0:
+            if not self.said_full:
+                self.said_full = True
+                decision.notes.append(
+                    Note(
+                        "capacity_full",
+                        figures,
+                        f"deadline: {-slack:,.0f} s behind schedule at step {step} with "
+                        f"scaling.max_workers={self.max_workers} workers already: on-demand "
+                        "nodes cannot add any",
+                    )
+                )
+            return
+        if self.asked != wanted or now - self.renewed_at >= RENEW_EVERY_S:
+            self.requests.request(wanted)
+            self.renewed_at = now
+            if self.asked != wanted:
+                decision.notes.append(
+                    Note(
+                        "capacity_request",
+                        {**figures, "workers": wanted},
+                        f"deadline: {-slack:,.0f} s behind schedule at step {step}: asking for "
+                        f"on-demand nodes for {wanted} more worker(s)",
+                    )
+                )
+            self.asked = wanted
+        if self.requests.up() >= wanted:
+            decision.switch_to = ON_DEMAND
+            decision.notes.append(
+                Note(
+                    CAPACITY,
+                    {**figures, "market": ON_DEMAND, "workers": wanted},
+                    f"deadline: on-demand nodes for {wanted} worker(s) are up at step {step} "
+                    f"({-slack:,.0f} s behind schedule): the group restarts on spot and "
+                    "on-demand nodes",
+                )
+            )
