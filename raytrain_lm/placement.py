@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -34,6 +35,7 @@ CPU_NODE = "cpu_node"
 # cluster configs set it, and job drivers on the head inherit it. A cluster scaled to zero shows
 # no such node, and the v1 autoscaler (`ray up`) publishes no node types, so nothing else tells.
 CPU_NODES_ENV = "RAYTRAIN_LM_CPU_NODES"
+COORDINATOR = "AutoscalingCoordinator"  # Ray Data's actor, and its namespace
 
 
 def accelerator_types(scaling: ScalingConfig) -> list[str]:
@@ -132,21 +134,25 @@ class OnDemandRequests:
 
     EXPIRE_AFTER_S = 180.0  # renewed by the chief every 20 s while it is wanted
 
-    def __init__(self, run: str, scaling: ScalingConfig, gpu: bool):
+    def __init__(self, run: str, scaling: ScalingConfig, gpu: bool, accelerator: str):
+        """`accelerator`: the group's type, which a run pinned to one type keeps."""
         import ray
 
-        on_demand = scaling.model_copy(update={"capacity": "on_demand"})
-        placement = worker_resources(on_demand, gpu, ray.cluster_resources())
+        update: dict[str, Any] = {"capacity": "on_demand"}
+        if accelerator in accelerator_types(scaling) and not scaling.allow_mixed_accelerators:
+            update["accelerator_type"] = accelerator
+        placement = worker_resources(
+            scaling.model_copy(update=update), gpu, ray.cluster_resources()
+        )
         self.requester = on_demand_requester(run)
         self.bundle = placement["resources_per_worker"]
         self.selector = placement.get("label_selector", {})
 
     def _coordinator(self):
-        from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
-            get_or_create_autoscaling_coordinator,
-        )
+        import ray
 
-        return get_or_create_autoscaling_coordinator()
+        # The driver made it (trainer/capacity.py), on the head: never make one here.
+        return ray.get_actor(COORDINATOR, namespace=COORDINATOR)
 
     def request(self, count: int) -> None:
         import ray
@@ -159,7 +165,7 @@ class OnDemandRequests:
                     label_selectors=[dict(self.selector) for _ in range(count)],
                     expire_after_s=self.EXPIRE_AFTER_S,
                 ),
-                timeout=30,
+                timeout=10,
             )
         except Exception:  # best effort: the run goes on with what it has
             logger.warning("could not ask for on-demand nodes", exc_info=True)
@@ -172,7 +178,8 @@ class OnDemandRequests:
         fits = 0
         for node in schedulable_nodes():
             total = node.get("Resources", {})
-            if node.get("Alive") and total.get("on_demand", 0) > 0:
+            wanted = node.get("Alive") and total.get("on_demand", 0) > 0
+            if wanted and labels_match(node.get("Labels") or {}, self.selector):
                 fits += min(int(total.get(k, 0.0) // v) for k, v in self.bundle.items() if v > 0)
         return fits
 
@@ -180,8 +187,45 @@ class OnDemandRequests:
         withdraw_request(self.requester)
 
 
+def labels_match(labels: dict[str, str], selector: dict[str, str]) -> bool:
+    """Whether a node's labels satisfy a Ray label selector (`value`, `!value`, `in(a,b)`,
+    `!in(a,b)`)."""
+    for key, wanted in selector.items():
+        negated = wanted.startswith("!")
+        wanted = wanted.removeprefix("!")
+        if wanted.startswith("in(") and wanted.endswith(")"):
+            hit = labels.get(key) in {v.strip() for v in wanted[3:-1].split(",")}
+        else:
+            hit = labels.get(key) == wanted
+        if hit == negated:
+            return False
+    return True
+
+
 def on_demand_requester(run: str) -> str:
     return f"raytrain-lm-on-demand-{run}"
+
+
+def hand_over_on_demand(run: str, train_run_id: str, timeout_s: float = 300.0) -> None:
+    """Withdraws run `run`'s on-demand request once Ray Train run `train_run_id` (a group that
+    may use those nodes) holds resources at the coordinator: the two together would ask the
+    autoscaler for the on-demand nodes twice, and before it the nodes would be idle and
+    unrequested, so leave. Runs in a thread beside `fit()`; gives up after `timeout_s`."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            coordinator = ray.get_actor(COORDINATOR, namespace=COORDINATOR)
+            held = ray.get(
+                coordinator.get_reserved_resources.remote(f"train-{train_run_id}"), timeout=10
+            )
+        except Exception:  # not there yet, or busy: look again
+            held = None
+        if held:
+            withdraw_request(on_demand_requester(run))
+            return
+        time.sleep(0.5)
 
 
 @contextlib.contextmanager
@@ -198,7 +242,7 @@ def withdraw_request(requester: str) -> None:
     import ray
 
     try:
-        coordinator = ray.get_actor("AutoscalingCoordinator", namespace="AutoscalingCoordinator")
+        coordinator = ray.get_actor(COORDINATOR, namespace=COORDINATOR)
     except ValueError:  # nothing on this cluster ever asked the coordinator for resources
         return
     try:

@@ -8,11 +8,13 @@ import pytest
 
 from raytrain_lm.config import load_config
 from raytrain_lm.errors import UserError
-from raytrain_lm.placement import MARKER_AMOUNT, worker_resources
+from raytrain_lm.placement import MARKER_AMOUNT, labels_match, worker_resources
 from raytrain_lm.trainer.deadline import (
     CAPACITY,
     ON_DEMAND,
     SPOT,
+    SWITCH,
+    UP_CHECK_EVERY_S,
     DeadlineCapacity,
     current_market,
     margin_s,
@@ -60,7 +62,8 @@ def test_slack_is_the_distance_to_the_uniform_progress_line():
     assert slack_s(100, 1000, 400.0, DEADLINE_S) == -300.0
     assert slack_s(1000, 1000, DEADLINE_S, DEADLINE_S) == 0.0
     assert margin_s(DEADLINE_S, 30.0) == 60.0  # two restarts
-    assert margin_s(DEADLINE_S, 1.0) == 10.0 and margin_s(DEADLINE_S, 1e4) == 100.0  # 1-10 %
+    assert margin_s(DEADLINE_S, 1.0) == 10.0  # at least 1 % of the deadline
+    assert margin_s(DEADLINE_S, 400.0) == 800.0  # never less than the switch back costs
 
 
 def test_behind_on_spot_asks_for_the_missing_workers_then_switches_once_they_are_up():
@@ -68,6 +71,7 @@ def test_behind_on_spot_asks_for_the_missing_workers_then_switches_once_they_are
     on_time = rule.check(step=500, world=2, now=400.0)
     assert on_time.switch_to is None and not on_time.notes and not autoscaler.asked
 
+    assert autoscaler.withdrawn == 1  # an earlier group's request, if any
     behind = rule.check(step=100, world=2, now=400.0)
     assert autoscaler.asked == [1] and behind.switch_to is None
     (note,) = behind.notes
@@ -79,11 +83,13 @@ def test_behind_on_spot_asks_for_the_missing_workers_then_switches_once_they_are
     rule.check(step=110, world=2, now=421.0)  # renewed before Ray's request expires
     assert autoscaler.asked == [1, 1]
 
-    autoscaler.nodes_up = 1
-    switch = rule.check(step=120, world=2, now=430.0)
-    assert switch.switch_to == ON_DEMAND
+    autoscaler.nodes_up = 1  # it looked at 421 s: the next look comes UP_CHECK_EVERY_S later
+    assert rule.check(step=115, world=2, now=421.0 + UP_CHECK_EVERY_S / 2).switch_to is None
+    switch = rule.check(step=120, world=2, now=421.0 + UP_CHECK_EVERY_S)
+    assert switch.switch_to == ON_DEMAND == rule.switch_to
     (note,) = switch.notes
-    assert note.event == CAPACITY and note.fields["market"] == ON_DEMAND
+    assert note.event == SWITCH and note.fields["market"] == ON_DEMAND
+    assert note.fields["margin_s"] == 60.0 and note.fields["restart_s"] == 30.0
     assert "the group restarts on spot and on-demand nodes" in note.line
 
 
@@ -116,7 +122,7 @@ def test_on_demand_phase_withdraws_the_extra_request_and_returns_to_spot_past_th
     back = rule.check(step=470, world=3, now=400.0)
     assert back.switch_to == SPOT
     (note,) = back.notes
-    assert note.event == CAPACITY and note.fields["market"] == SPOT
+    assert note.event == SWITCH and note.fields["market"] == SPOT
     assert "the on-demand nodes are given back" in note.line
     assert autoscaler.withdrawn == 1 and not autoscaler.asked
 
@@ -134,7 +140,14 @@ def test_the_newest_switch_says_where_a_group_goes():
 
 def test_spot_first_places_workers_on_spot_then_on_either():
     scaling = load_config(
-        None, ["scaling.capacity=spot_first", "budget.deadline=2h", "scaling.use_gpu=false"]
+        None,
+        [
+            "scaling.capacity=spot_first",
+            "budget.deadline=2h",
+            "scaling.use_gpu=false",
+            "scaling.min_workers=1",
+            "scaling.max_workers=2",
+        ],
     ).scaling
     cluster = {"cpu_node": 2.0}
     on_spot = worker_resources(scaling, False, cluster, SPOT)["resources_per_worker"]
@@ -144,16 +157,42 @@ def test_spot_first_places_workers_on_spot_then_on_either():
     assert on_spot["cpu_node"] == either["cpu_node"] == MARKER_AMOUNT
 
 
+def test_a_new_spot_group_on_schedule_withdraws_what_an_earlier_one_asked():
+    rule, autoscaler = _rule()
+    assert not rule.check(step=500, world=2, now=400.0).notes
+    assert autoscaler.withdrawn == 1 and not autoscaler.asked
+    rule.check(step=500, world=2, now=401.0)
+    assert autoscaler.withdrawn == 1  # once
+
+
+def test_on_demand_nodes_must_carry_the_selected_labels():
+    assert labels_match({"ray.io/accelerator-type": "A100"}, {})
+    selector = {"ray.io/accelerator-type": "in(A100,H100)"}
+    assert labels_match({"ray.io/accelerator-type": "H100"}, selector)
+    assert not labels_match({"ray.io/accelerator-type": "L4"}, selector)
+    assert not labels_match({}, selector)
+    assert labels_match({"zone": "b"}, {"zone": "!a"})
+    assert not labels_match({"zone": "a"}, {"zone": "!in(a,c)"})
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["scaling.capacity=spot_first"], "spot_first keeps to budget.deadline: set it"),
+        (
+            ["scaling.capacity=spot_first", "scaling.min_workers=1", "scaling.max_workers=2"],
+            "spot_first keeps to budget.deadline: set it",
+        ),
+        (
+            ["scaling.capacity=spot_first", "budget.deadline=2h", "scaling.num_workers=2"],
+            "set scaling.min_workers below scaling.max_workers",
+        ),
         (
             [
                 "scaling.capacity=spot_first",
                 "budget.deadline=2h",
                 "scaling.fault_tolerance=replicas",
-                "scaling.num_workers=2",
+                "scaling.min_workers=1",
+                "scaling.max_workers=2",
             ],
             "replica groups cannot yet",
         ),

@@ -352,7 +352,7 @@ def _events_when(run_dir, done, timeout: float) -> list[dict]:
 
 
 def test_a_late_run_gets_an_on_demand_node_and_gives_it_back(local_cluster, storage):
-    """scaling.capacity=spot_first with budget.deadline=5m: 300 steps, at most 3 workers of
+    """scaling.capacity=spot_first with budget.deadline=8m: 300 steps, at most 3 workers of
     1.5 CPUs, so the two spot CPU nodes hold 2 and only the on-demand type a third. Paced at
     2 s a step (`slow-steps`, as a group short of capacity would crawl), the run is behind the
     uniform-progress line from its first step: it asks for an on-demand node, keeps training
@@ -374,7 +374,7 @@ def test_a_late_run_gets_an_on_demand_node_and_gives_it_back(local_cluster, stor
         "tracking.enabled=false",
         "scaling.use_gpu=false",
         "scaling.capacity=spot_first",
-        "budget.deadline=5m",
+        "budget.deadline=8m",
         "scaling.min_workers=2",
         "scaling.max_workers=3",
         "scaling.cpus_per_worker=1.5",
@@ -400,9 +400,14 @@ def test_a_late_run_gets_an_on_demand_node_and_gives_it_back(local_cluster, stor
     kinds = [e["event"] for e in events]
     (asked,) = [e for e in events if e["event"] == "capacity_request"]
     assert asked["workers"] == 1 and asked["slack_s"] < 0 and asked["world_size"] == 2
-    switches = [e for e in events if e["event"] == "capacity"]
-    assert [s["market"] for s in switches] == ["on_demand", "spot"], kinds
-    assert switches[0]["slack_s"] < 0 < 30 <= switches[1]["slack_s"]  # margin: 10 % of 5 min
+    decided = [e for e in events if e["event"] == "capacity_switch"]
+    assert [d["market"] for d in decided] == ["on_demand", "spot"], kinds
+    assert decided[0]["slack_s"] < 0 and decided[1]["slack_s"] > decided[1]["margin_s"]
+    assert decided[1]["margin_s"] == pytest.approx(max(4.8, 2 * decided[1]["restart_s"]), abs=0.2)
+    switches = [e for e in events if e["event"] == "capacity"]  # the driver's, after each end
+    assert [(s["market"], s["step"]) for s in switches] == [
+        (d["market"], d["step"]) for d in decided
+    ]
     groups = [e for e in events if e["event"] == "segment_start"]
     assert [g["world_size"] for g in groups] == [2, 3, 2], kinds
     assert [g["price_per_hour"] for g in groups] == [2.0, 5.0, 2.0]  # the on-demand one at $3
@@ -412,7 +417,7 @@ def test_a_late_run_gets_an_on_demand_node_and_gives_it_back(local_cluster, stor
 
     logs = _cli("logs", name, "--address", url).stdout
     assert "asking for on-demand nodes for 1 more worker(s)" in logs
-    assert "restarting on on_demand capacity" in logs and "restarting on spot capacity" in logs
+    assert "restarting on on-demand capacity" in logs and "restarting on spot capacity" in logs
     assert "back to spot nodes only; the on-demand nodes are given back" in logs
     added = [line for line in logs.splitlines() if "Adding 1 node(s) of type cpu_on_demand" in line]
     assert len(added) == 1, logs[-3000:]

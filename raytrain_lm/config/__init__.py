@@ -28,7 +28,7 @@ from raytrain_lm.config.loading import (
     to_yaml,
 )
 from raytrain_lm.config.model import MODEL_PRESETS, ModelConfig
-from raytrain_lm.config.replicas import ReplicasConfig
+from raytrain_lm.config.replicas import DilocoConfig, ReplicasConfig
 from raytrain_lm.config.run import BALANCE_AUTO_UNDER_FSDP, RunConfig
 from raytrain_lm.config.scaling import ScalingConfig
 from raytrain_lm.config.tracking import DEFAULT_TRACKING_DB, TRACKING_URI_ENV, TrackingConfig
@@ -44,6 +44,7 @@ __all__ = [
     "BudgetConfig",
     "CheckpointConfig",
     "DataConfig",
+    "DilocoConfig",
     "FaultConfig",
     "ModelConfig",
     "OptimConfig",

@@ -1,5 +1,6 @@
 """The `replicas` section: the timings of replica groups (`scaling.fault_tolerance=replicas`,
-trainer/replicas.py), which keep stepping while a group is lost, replaced or drained.
+trainer/replicas.py), which keep stepping while a group is lost, replaced or drained; and the
+`diloco` section: how they train over slow links with `parallel.sync=diloco` (trainer/diloco.py).
 """
 
 from __future__ import annotations
@@ -38,4 +39,29 @@ class ReplicasConfig(_Section):
         gt=0.0,
         description="how long the run waits for scaling.min_workers groups (capacity lost) "
         "before it ends, saying why",
+    )
+
+
+class DilocoConfig(_Section):
+    sync_every: int = Field(
+        32,
+        ge=1,
+        description="H: inner steps each replica group takes alone between two outer syncs",
+    )
+    outer_lr: float = Field(0.7, gt=0.0, description="the outer optimizer's learning rate")
+    outer_momentum: float = Field(
+        0.9, ge=0.0, lt=1.0, description="the outer optimizer's Nesterov momentum (0: plain SGD)"
+    )
+    fragments: int = Field(
+        1, ge=1, description="Streaming DiLoCo's model fragments, synced in turn (1: DiLoCo)"
+    )
+    join_timeout_s: float = Field(
+        120.0,
+        gt=0.0,
+        description="how long a sync waits for live groups still in their round (a slower "
+        "group) before it goes on without them, and the round is taken again",
+    )
+    quantize: bool = Field(
+        False,
+        description="the outer all-reduce in fp8 (torchft's fused kernels: CUDA with Triton)",
     )

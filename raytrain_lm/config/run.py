@@ -15,7 +15,7 @@ from raytrain_lm.config.budget import BudgetConfig
 from raytrain_lm.config.data import DataConfig
 from raytrain_lm.config.fault import CheckpointConfig, FaultConfig
 from raytrain_lm.config.model import ModelConfig
-from raytrain_lm.config.replicas import ReplicasConfig
+from raytrain_lm.config.replicas import DilocoConfig, ReplicasConfig
 from raytrain_lm.config.scaling import ScalingConfig
 from raytrain_lm.config.tracking import TrackingConfig
 from raytrain_lm.config.training import OptimConfig, ParallelConfig, TrainingConfig
@@ -37,6 +37,7 @@ class RunConfig(_Section):
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     scaling: ScalingConfig = Field(default_factory=ScalingConfig)
     replicas: ReplicasConfig = Field(default_factory=ReplicasConfig)
+    diloco: DilocoConfig = Field(default_factory=DilocoConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     fault: FaultConfig = Field(default_factory=FaultConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
@@ -92,13 +93,23 @@ class RunConfig(_Section):
             raise ValueError(
                 "budget.max_usd counts fault.price_per_hour: set it, e.g. {A100: 1.3, cpu: 0.1}"
             )
-        if self.scaling.capacity == "spot_first" and self.budget.deadline is None:
-            raise ValueError(
-                "scaling.capacity=spot_first keeps to budget.deadline: set it, e.g. 36h"
-            )
+        if self.scaling.capacity == "spot_first":
+            if self.budget.deadline is None:
+                raise ValueError(
+                    "scaling.capacity=spot_first keeps to budget.deadline: set it, e.g. 36h"
+                )
+            if self.scaling.min_size >= self.scaling.max_size:
+                raise ValueError(
+                    "scaling.capacity=spot_first adds on-demand nodes for workers a run may "
+                    "grow to: set scaling.min_workers below scaling.max_workers"
+                )
         if self.scaling.fault_tolerance == "replicas":
             self._replicas_fit()
             return self
+        if self.parallel.sync == "diloco":
+            raise ValueError(
+                "parallel.sync=diloco syncs replica groups: set scaling.fault_tolerance=replicas"
+            )
         if self.scaling.balance != "none":
             if self.training.global_batch_size < self.scaling.max_size:
                 raise ValueError(
@@ -190,8 +201,22 @@ class RunConfig(_Section):
                 "scaling.fault_tolerance=replicas keeps a whole model in every group: use "
                 "parallel.strategy=ddp (sharding inside a group comes with hybrid sharding)"
             )
+        if self.parallel.sync == "diloco":
+            self._diloco_fits()
         if self.scaling.balance == "auto":
             raise ValueError(
                 "scaling.balance=auto measures a fixed group of ranks; with "
                 "scaling.fault_tolerance=replicas give weights by type, e.g. {A100: 3, L4: 1}"
+            )
+
+    def _diloco_fits(self) -> None:
+        diloco = self.diloco
+        if diloco.fragments > 1:
+            raise ValueError(
+                "diloco.fragments > 1 (Streaming DiLoCo) is not built yet: use diloco.fragments=1"
+            )
+        if isinstance(self.scaling.balance, dict):
+            raise ValueError(
+                "scaling.balance splits every step by the groups' types; with "
+                "parallel.sync=diloco each group's share is set for a whole round: use none"
             )

@@ -88,6 +88,11 @@ class ParallelConfig(_Section):
     reshard_after_forward: bool = Field(
         True, description="fsdp: free gathered weights after forward (gather again for backward)"
     )
+    sync: Literal["every_step", "diloco"] = Field(
+        "every_step",
+        description="replica groups: average gradients every step, or DiLoCo (the change of "
+        "the weights every diloco.sync_every steps, for slow links between groups)",
+    )
     auto_state_fraction: float = Field(
         0.6,
         gt=0.0,

@@ -23,13 +23,21 @@ class Every:
     seconds: float | None = None
     at_end: bool = False
     since: int = 0  # steps count from this step (an interval changed there)
+    # Steps that advance several at a time (DiLoCo's rounds): due once a multiple was passed.
+    crossing: bool = False
     _last_time: float = field(default_factory=time.monotonic, repr=False)
+    _last_step: int | None = field(default=None, repr=False)
 
     def due(self, step: int, end_step: int) -> bool:
+        last, self._last_step = self._last_step, step
         if self.at_end and step == end_step:
             return True
-        if self.steps is not None and (step - self.since) % self.steps == 0:
-            return True
+        if self.steps is not None:
+            if self.crossing and last is not None:
+                if (step - self.since) // self.steps > (last - self.since) // self.steps:
+                    return True
+            elif (step - self.since) % self.steps == 0:
+                return True
         if self.seconds is not None and time.monotonic() - self._last_time >= self.seconds:
             self._last_time = time.monotonic()
             return True

@@ -316,9 +316,10 @@ def _load_local(
 ) -> TrainState:
     load_model_state(model, load_file(str(directory / MODEL_FILE), device=str(device)))
     if optimizer is not None:
-        optimizer.load_state_dict(
-            torch.load(directory / OPTIMIZER_FILE, map_location=device, weights_only=True)
-        )
+        saved = torch.load(directory / OPTIMIZER_FILE, map_location=device, weights_only=True)
+        if set(saved) == {"inner", "outer"} and isinstance(optimizer, torch.optim.Optimizer):
+            saved = saved["inner"]  # DiLoCo's (diloco.py), resumed with every-step sync
+        optimizer.load_state_dict(saved)
     return read_state(directory)
 
 

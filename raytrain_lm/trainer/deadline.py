@@ -12,15 +12,16 @@ while p x D >= t. Its slack, p x D - t, is how far ahead of that line it is, in 
   group at a step boundary with a checkpoint and the driver starts the next one without the
   spot marker, on spot and on-demand nodes alike. A run that is ahead again (past the margin
   below) before the nodes came withdraws the request.
-- Off spot, the new group's own resource request holds the on-demand nodes, so the chief
-  withdraws the extra one. A slack above the margin (twice the run's measured restart, within
-  1-10 % of D: each switch costs a restart) ends the group again, and the next one carries the
-  spot marker: nothing of the run fits on the on-demand nodes, which the autoscaler removes
-  once idle.
+- Off spot, the new group's own resource request holds the on-demand nodes, so the extra one
+  is withdrawn (by the driver as soon as Ray Train's request is in: fit.py). A slack above the
+  margin (twice the run's measured restart, at least 1 % of D: the switch back must leave the
+  run ahead) ends the group again, and the next one carries the spot marker: nothing of the
+  run fits on the on-demand nodes, which the autoscaler removes once idle.
 
-Every request, withdrawal and switch is an event in the run's log (`capacity_request`,
-`capacity_withdrawn`, `capacity`) and a line. Which nodes a group may use is the newest
-`capacity` event's `market` (`current_market`), so a resumed run keeps to it.
+Every request, withdrawal and decision is an event in the run's log (`capacity_request`,
+`capacity_withdrawn`, `capacity_full`, `capacity_switch`) and a line. The switch itself is the
+`capacity` event the driver writes once the group has ended for it: its `market` is where
+the next groups go (`current_market`), also after a resume.
 """
 
 from __future__ import annotations
@@ -33,9 +34,12 @@ from raytrain_lm.costs.planner import DEFAULT_RECOVERY_S
 from raytrain_lm.trainer.goodput import summarize
 
 SPOT, ON_DEMAND = "spot", "on_demand"
-CAPACITY = "capacity"  # the event of a switch; its `market` is where the next group goes
+# The chief's decision to switch (with the figures it decided on), and, written by the driver
+# once the group has ended for it, the switch itself: `market` is where the next groups go.
+SWITCH, CAPACITY = "capacity_switch", "capacity"
 RENEW_EVERY_S = 20.0  # as Ray Train renews its own request (it expires after 180 s)
-MARGIN_FRACTION = (0.01, 0.10)  # of the deadline, bounds on the margin over the line
+UP_CHECK_EVERY_S = 10.0  # how often a chief waiting for on-demand nodes looks for them
+MIN_MARGIN_FRACTION = 0.01  # of the deadline
 
 
 def current_market(events: list[dict[str, Any]]) -> str:
@@ -51,9 +55,9 @@ def slack_s(step: int, end_step: int, elapsed_s: float, deadline_s: float) -> fl
 
 def margin_s(deadline_s: float, restart_s: float) -> float:
     """How far ahead a run on on-demand nodes must be to give them back: two restarts (the
-    switch back, and one more interruption), within bounds set by the deadline."""
-    low, high = (f * deadline_s for f in MARGIN_FRACTION)
-    return min(high, max(low, 2 * restart_s))
+    switch back costs one and must still leave it ahead, or it would switch again at once),
+    and at least 1 % of the deadline."""
+    return max(MIN_MARGIN_FRACTION * deadline_s, 2 * restart_s)
 
 
 def measured_restart_s(events: list[dict[str, Any]]) -> float:
@@ -102,28 +106,41 @@ class DeadlineCapacity:
     ):
         self.market, self.deadline_s, self.first_start = market, deadline_s, first_start
         self.end_step, self.max_workers = end_step, max_workers
-        self.margin_s = margin_s(deadline_s, restart_s)
+        self.restart_s, self.margin_s = restart_s, margin_s(deadline_s, restart_s)
         self.requests = requests
         self.asked: int = 0  # on-demand workers asked for (spot phase)
-        self.renewed_at = 0.0
+        self.renewed_at = self.looked_at = 0.0
         self.said_full = False
-        # Off spot, this group's own request (Ray Train's) now holds the on-demand nodes.
-        self.withdraw_pending = market == ON_DEMAND
+        self.switch_to: str | None = None  # the market of the switch decided, if any
+        # An earlier group's request may still stand: off spot, this group's own (Ray
+        # Train's) holds the on-demand nodes; on spot, it is withdrawn unless asked again.
+        self.withdraw_pending = True
 
     def check(self, step: int, world: int, now: float | None = None) -> Decision:
-        now = time.time() if now is None else now
+        decision = self._check(step, world, time.time() if now is None else now)
+        self.switch_to = decision.switch_to
+        return decision
+
+    def _check(self, step: int, world: int, now: float) -> Decision:
         slack = slack_s(step, self.end_step, now - self.first_start, self.deadline_s)
-        figures = {"step": step, "slack_s": round(slack, 1), "world_size": world}
+        figures = {
+            "step": step,
+            "slack_s": round(slack, 1),
+            "world_size": world,
+            "margin_s": round(self.margin_s, 1),
+            "restart_s": round(self.restart_s, 1),
+        }
         decision = Decision()
+        asks = slack < 0 and self.max_workers > world
+        if self.withdraw_pending and (self.market == ON_DEMAND or not asks):
+            self.requests.withdraw()
+        self.withdraw_pending = False
         if self.market == ON_DEMAND:
-            if self.withdraw_pending:
-                self.requests.withdraw()
-                self.withdraw_pending = False
             if slack > self.margin_s:
                 decision.switch_to = SPOT
                 decision.notes.append(
                     Note(
-                        CAPACITY,
+                        SWITCH,
                         {**figures, "market": SPOT},
                         f"deadline: {slack:,.0f} s ahead of schedule at step {step} (margin "
                         f"{self.margin_s:,.0f} s): back to spot nodes only; the on-demand "
@@ -138,8 +155,8 @@ class DeadlineCapacity:
                 Note(
                     "capacity_withdrawn",
                     figures,
-                    f"deadline: back on schedule at step {step} ({slack:,.0f} s ahead) before "
-                    "the on-demand nodes came: request withdrawn",
+                    f"deadline: {slack:,.0f} s ahead of schedule at step {step} (margin "
+                    f"{self.margin_s:,.0f} s) before the on-demand nodes came: request withdrawn",
                 )
             )
         elif slack < 0 or self.asked:  # behind, or asked and not yet past the margin
@@ -178,55 +195,14 @@ class DeadlineCapacity:
                     )
                 )
             self.asked = wanted
-        if self.requests.up() >= wanted:
-            decision.switch_to = ON_DEMAND
-            decision.notes.append(
-                Note(
-                    CAPACITY,
-                    {**figures, "market": ON_DEMAND, "workers": wanted},
-                    f"deadline: on-demand nodes for {wanted} worker(s) are up at step {step} "
-                    f"({-slack:,.0f} s behind schedule): the group restarts on spot and "
-                    "on-demand nodes",
-                )
-            )
-
-    def _ask(
-        self, step: int, world: int, slack: float, now: float, figures: dict, decision: Decision
-    ) -> None:
-        """Asks for (or renews) on-demand nodes for the workers the group lacks; once they
-        are up, the group ends for the next to use them."""
-        wanted = self.max_workers - world
-        if wanted <= 0:
-            if not self.said_full:
-                self.said_full = True
-                decision.notes.append(
-                    Note(
-                        "capacity_full",
-                        figures,
-                        f"deadline: {-slack:,.0f} s behind schedule at step {step} with "
-                        f"scaling.max_workers={self.max_workers} workers already: on-demand "
-                        "nodes cannot add any",
-                    )
-                )
+        if now - self.looked_at < UP_CHECK_EVERY_S:
             return
-        if self.asked != wanted or now - self.renewed_at >= RENEW_EVERY_S:
-            self.requests.request(wanted)
-            self.renewed_at = now
-            if self.asked != wanted:
-                decision.notes.append(
-                    Note(
-                        "capacity_request",
-                        {**figures, "workers": wanted},
-                        f"deadline: {-slack:,.0f} s behind schedule at step {step}: asking for "
-                        f"on-demand nodes for {wanted} more worker(s)",
-                    )
-                )
-            self.asked = wanted
+        self.looked_at = now
         if self.requests.up() >= wanted:
             decision.switch_to = ON_DEMAND
             decision.notes.append(
                 Note(
-                    CAPACITY,
+                    SWITCH,
                     {**figures, "market": ON_DEMAND, "workers": wanted},
                     f"deadline: on-demand nodes for {wanted} worker(s) are up at step {step} "
                     f"({-slack:,.0f} s behind schedule): the group restarts on spot and "

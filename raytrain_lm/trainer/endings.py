@@ -20,7 +20,7 @@ from raytrain_lm.trainer.cadence import Flags
 from raytrain_lm.trainer.checkpoint import prune_checkpoints, save_checkpoint, upload_checkpoint
 from raytrain_lm.trainer.checkpoint_interval import interval_steps
 from raytrain_lm.trainer.collectives import all_reduce
-from raytrain_lm.trainer.deadline import DeadlineCapacity, current_market, measured_restart_s
+from raytrain_lm.trainer.deadline import DeadlineCapacity, measured_restart_s
 from raytrain_lm.trainer.goodput import read_events
 from raytrain_lm.trainer.progress import announce
 
@@ -35,7 +35,10 @@ class Endings:
             reason = signals.STOP
             if self.is_chief:
                 why = self.stop_reason
-                self.events.append(self._event(signals.STOP, step=self.state.step, why=why))
+                extra = {"market": self.budget.capacity.switch_to} if why == "capacity" else {}
+                self.events.append(
+                    self._event(signals.STOP, step=self.state.step, why=why, **extra)
+                )
                 if why == "budget":
                     spent = self.budget.spent(self.events, time.time())
                     announce(f"budget: ${spent:,.2f} spent, budget.max_usd reached")
@@ -77,14 +80,14 @@ class Endings:
         if self.budget.capacity is None:
             events = read_events(self.run_dir)
             self.budget.capacity = DeadlineCapacity(
-                market=current_market(events),
+                market=self.spec.market,
                 deadline_s=self.cfg.budget.deadline_s,
                 first_start=self.budget.first_start,
                 end_step=self.end_step,
                 max_workers=self.cfg.scaling.max_size,
                 restart_s=measured_restart_s(events),
                 requests=OnDemandRequests(
-                    self.cfg.name, self.cfg.scaling, self.device.type == "cuda"
+                    self.cfg.name, self.cfg.scaling, self.device.type == "cuda", self.types[0]
                 ),
             )
         decision = self.budget.capacity.check(self.state.step, self.world)
@@ -93,7 +96,7 @@ class Endings:
             announce(note.line)
         if decision.switch_to is None:
             return False
-        self.stop_reason = "capacity"
+        self.stop_reason = "capacity"  # the stop event names the market (launch.py)
         return True
 
     def _set_checkpoint_interval(self, save_s: float) -> None:
@@ -164,7 +167,7 @@ class Endings:
             save_checkpoint(
                 local,
                 self.model,
-                self.optimizer,
+                self.checkpointed_optimizer,
                 state,
                 texts,
                 partially_written=lambda: faults.maybe_fire(

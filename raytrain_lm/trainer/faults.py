@@ -21,6 +21,9 @@
   kills its own process while it loads the state a peer sent it, the first time that state
   is at `step` or later (once per group; any group without `rank`).
 
+- `kill-in-round:step=12:rank=1`: under `parallel.sync=diloco`, that replica group kills its
+  own process just after that inner step, between two outer syncs (once).
+
 Several at once are joined with `+`: `slow-steps:seconds=0.1+kill-while-healing`.
 
 And one diagnostic, which changes nothing:

@@ -4,14 +4,20 @@ budgets and callbacks (launch.py runs as many as the run needs)."""
 from __future__ import annotations
 
 import os
+import threading
 import time
+from dataclasses import replace
 
 from raytrain_lm.config import RunConfig
-from raytrain_lm.placement import release_resource_requests, worker_resources
+from raytrain_lm.placement import (
+    hand_over_on_demand,
+    release_resource_requests,
+    worker_resources,
+)
 from raytrain_lm.rundir import RAY_TRAIN_SNAPSHOT, RunDir
 from raytrain_lm.runtime import use_gpu
 from raytrain_lm.trainer import signals
-from raytrain_lm.trainer.deadline import current_market
+from raytrain_lm.trainer.deadline import ON_DEMAND, current_market
 from raytrain_lm.trainer.goodput import read_events
 from raytrain_lm.trainer.spec import WorkerSpec
 from raytrain_lm.trainer.stopping import run_interruptibly
@@ -30,6 +36,8 @@ def fit(spec: WorkerSpec, callbacks: list | None = None) -> None:
     cfg, run_dir = spec.config, spec.run_dir
     fault = cfg.fault
     gpu = use_gpu(cfg.scaling)
+    if cfg.scaling.capacity == "spot_first":
+        spec = replace(spec, market=current_market(read_events(run_dir)))
     # Read by Ray Train's controller, which inherits them from this process.
     os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(fault.worker_start_timeout_s)
     os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = str(fault.health_check_s)
@@ -43,7 +51,7 @@ def fit(spec: WorkerSpec, callbacks: list | None = None) -> None:
     trainer = TorchTrainer(
         lambda: train_loop_per_worker(spec),
         torch_config=_torch_config(cfg, gpu),
-        scaling_config=_scaling(cfg, run_dir, gpu),
+        scaling_config=_scaling(cfg, gpu, spec.market),
         run_config=RayRunConfig(
             name=cfg.name,
             storage_path=str(run_dir.parent),
@@ -65,6 +73,12 @@ def fit(spec: WorkerSpec, callbacks: list | None = None) -> None:
         ),
     )
     started = time.time()
+    if spec.market == ON_DEMAND:  # this group's own request takes over the on-demand nodes
+        threading.Thread(
+            target=hand_over_on_demand,
+            args=(cfg.name, trainer.train_run_context.run_id),
+            daemon=True,
+        ).start()
     try:
         run_interruptibly(trainer.fit)
     except Exception:
@@ -110,12 +124,11 @@ def _torch_config(cfg: RunConfig, gpu: bool):
     return TorchConfig(backend=backend, timeout_s=timeout)
 
 
-def _scaling(cfg: RunConfig, run_dir: RunDir, gpu: bool):
+def _scaling(cfg: RunConfig, gpu: bool, market: str):
     import ray
     from ray.train import ScalingConfig
 
     scaling = cfg.scaling
-    market = current_market(read_events(run_dir)) if scaling.capacity == "spot_first" else "spot"
     placement = worker_resources(scaling, gpu, ray.cluster_resources(), market)
     # Replica groups: Ray Train keeps max_workers groups (it replaces a lost one alone, as
     # capacity allows); torchft's quorum trains on while at least min_workers take part.

@@ -47,7 +47,7 @@ from raytrain_lm.trainer.checkpoint import (
     latest_complete_checkpoint,
     read_state,
 )
-from raytrain_lm.trainer.deadline import current_market
+from raytrain_lm.trainer.deadline import CAPACITY
 from raytrain_lm.trainer.fit import fit
 from raytrain_lm.trainer.goodput import append_event, close_previous_segment, read_events, summarize
 from raytrain_lm.trainer.plan import end_step
@@ -183,7 +183,7 @@ def _train_until_done(spec: WorkerSpec, callbacks: list | None) -> bool | str:
     handoffs = 0
     controller_failed_at: int | None = None  # the newest checkpoint's step at the last one
     # spot_first: an on-demand request the chief made is the run's only while it trains
-    with GracefulStop(run_dir, cfg.fault.stop_timeout_s), withdrawn_at_exit(cfg.name):
+    with GracefulStop(run_dir, cfg.fault.stop_timeout_s) as stopping, withdrawn_at_exit(cfg.name):
         while True:
             try:
                 fit(spec, callbacks)
@@ -195,9 +195,17 @@ def _train_until_done(spec: WorkerSpec, callbacks: list | None) -> bool | str:
             reason = signals.handoff_reason(events)
             why = signals.stop_why(events) if reason == signals.STOP else None
             if why == "capacity":  # scaling.capacity=spot_first: onto other nodes (deadline.py)
+                if stopping.requested or signals.stop_requested(run_dir):
+                    return True  # a stop came while the group checkpointed for the switch
+                market = signals.last_stop(events)["market"]
+                append_event(
+                    run_dir, CAPACITY, market=market, step=signals.last_stop(events)["step"]
+                )
                 refresh_capacity_view()
                 spec = replace(spec, expect_checkpoint=True)
-                print(f"[raytrain-lm] restarting on {current_market(events)} capacity", flush=True)
+                print(
+                    f"[raytrain-lm] restarting on {market.replace('_', '-')} capacity", flush=True
+                )
                 continue
             if reason == signals.STOP:  # on request (True), or with budget.max_usd spent
                 return "budget" if why == "budget" else True

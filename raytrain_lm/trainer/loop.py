@@ -34,7 +34,9 @@ def train_loop_per_worker(spec: WorkerSpec) -> None:
     context = ray.train.get_context()
     pin_gloo_interface(ray.util.get_node_ip_address())  # before any gloo group (the flags')
     check_worker_sees(str(spec.run_dir), spec.data_dir, spec.config.output_dir)
-    if spec.config.scaling.fault_tolerance == "replicas":
+    if spec.config.parallel.sync == "diloco":
+        from raytrain_lm.trainer.diloco import DilocoWorker as Worker
+    elif spec.config.scaling.fault_tolerance == "replicas":
         from raytrain_lm.trainer.replicas import ReplicaWorker as Worker
     else:
         from raytrain_lm.trainer.worker import Worker

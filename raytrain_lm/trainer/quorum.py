@@ -28,10 +28,18 @@ def lighthouse_settings(cfg: RunConfig) -> dict[str, Any]:
     replicas = cfg.replicas
     return {
         "min_replicas": cfg.scaling.min_size,
-        "join_timeout_ms": int(replicas.join_timeout_s * 1000),
+        "join_timeout_ms": int(join_timeout_s(cfg) * 1000),
         "heartbeat_timeout_ms": int(replicas.heartbeat_timeout_s * 1000),
         "quorum_tick_ms": 100,
     }
+
+
+def join_timeout_s(cfg: RunConfig) -> float:
+    """How long a quorum waits for live groups that have not asked yet. Under DiLoCo groups
+    reach a sync apart by their speeds over a whole round, not one step."""
+    if cfg.parallel.sync == "diloco":
+        return max(cfg.replicas.join_timeout_s, cfg.diloco.join_timeout_s)
+    return cfg.replicas.join_timeout_s
 
 
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # set in every worker by Ray Train's TorchftConfig
@@ -75,10 +83,21 @@ class TooFewReplicas(RuntimeError):
     with this reason (launch.py), after the groups' checkpoint."""
 
 
+class ByteCounter:
+    """Bytes this group handed to its all-reduces (the payload; a ring sends about twice it)."""
+
+    def __init__(self):
+        self.sent = 0
+
+    def add(self, tensor: torch.Tensor, element_size: int | None = None) -> None:
+        self.sent += tensor.numel() * (element_size or tensor.element_size())
+
+
 class Quorum:
     """This group's torchft Manager: a quorum before every step, healing, the commit vote."""
 
     def __init__(self, cfg: RunConfig, group: int, device: torch.device, save, load):
+        self.bytes = ByteCounter()
         # torchft logs every quorum and vote at INFO (Rust and Python; the structured
         # "torchft_quorums"/"torchft_commits" records have an empty message, which Ray's
         # handler prints as a blank line per step): our events say it once.
@@ -104,7 +123,10 @@ class Quorum:
             min_replica_size=self.min_groups,
             use_async_quorum=False,  # a healed group takes part in the step it healed in
             timeout=timeout,
-            quorum_timeout=timedelta(seconds=cfg.replicas.quorum_timeout_s),
+            # one attempt outlasts the Lighthouse's wait for groups that have not asked yet
+            quorum_timeout=timedelta(
+                seconds=max(cfg.replicas.quorum_timeout_s, join_timeout_s(cfg) + 10)
+            ),
             connect_timeout=timeout,
             rank=0,
             world_size=1,
@@ -147,6 +169,7 @@ class Quorum:
         the step then does not commit)."""
         from torch.distributed import ReduceOp
 
+        self.bytes.add(values)
         self.manager.allreduce(values, reduce_op=ReduceOp.SUM).wait()
         return values
 
@@ -166,6 +189,8 @@ class Quorum:
                 param.grad = torch.zeros_like(param)
         grads = [p.grad for p in params]
         flat = _flatten_dense_tensors(grads)
+        self.bytes.add(flat)
+        self.bytes.add(values)
         averaging = self.manager.allreduce(flat, reduce_op=ReduceOp.AVG)
         summing = self.manager.allreduce(values, reduce_op=ReduceOp.SUM)
         averaging.wait()

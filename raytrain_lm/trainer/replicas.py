@@ -409,6 +409,9 @@ class ReplicaWorker(Worker):
         metrics = super()._read_pending()
         per_device = metrics["perf/tokens_per_s"] / max(1, self.participants)
         metrics["perf/mfu"] = hardware.mfu(self.flops_per_token, per_device, self.device)
+        metrics["comm/bytes_sent"] = self.quorum.bytes.sent  # this group's, to the others
+        trained = max(1, self.state.tokens - self.throughput.first_step * self.tokens_per_step)
+        metrics["comm/bytes_per_token"] = self.quorum.bytes.sent / trained
         return metrics
 
     # ------------------------------------------------------------------------------ leaving

@@ -57,7 +57,12 @@ def handoff_reason(events: list[dict[str, Any]]) -> str | None:
     return reason
 
 
-def stop_why(events: list[dict[str, Any]]) -> str:
-    """Why the newest stop was raised: "request" (the user's) or "budget" (budget.max_usd)."""
+def last_stop(events: list[dict[str, Any]]) -> dict[str, Any]:
     stops = [e for e in events if e["event"] == STOP]
-    return stops[-1].get("why", "request") if stops else "request"
+    return stops[-1] if stops else {}
+
+
+def stop_why(events: list[dict[str, Any]]) -> str:
+    """Why the newest stop was raised: "request" (the user's), "budget" (budget.max_usd) or
+    "capacity" (scaling.capacity=spot_first moves the run; the stop names the `market`)."""
+    return last_stop(events).get("why", "request")

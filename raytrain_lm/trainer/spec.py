@@ -29,3 +29,5 @@ class WorkerSpec:
     # A sweep trial's queue to Tune (sweeps/trial.py), for the replica groups' chief: Ray
     # Train's reports, which the trial's callback forwards otherwise, wait for every worker.
     reports: Any = None
+    # scaling.capacity=spot_first: where this group may go (trainer/deadline.py), set by fit.py
+    market: str = "spot"

@@ -205,7 +205,7 @@ class Worker(Rebalancing, Endings):
         restored, self.state = restore_group(
             candidates,
             self.model,
-            self.optimizer,
+            self.checkpointed_optimizer,
             self.device,
             self.rank,
             self.strategy,
@@ -487,6 +487,10 @@ class Worker(Rebalancing, Endings):
     def _heartbeat(self) -> None:
         if self.heartbeats is not None:
             self.heartbeats.put(self._beat())
+
+    @property
+    def checkpointed_optimizer(self) -> Any:  # what a checkpoint holds of the optimizers
+        return self.optimizer
 
     def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
         return append_event(self.run_dir, kind, **fields)

@@ -1,0 +1,262 @@
+"""`parallel.sync: diloco` for replica groups: DiLoCo (Douillard et al., arXiv 2311.08105) through
+torchft's `DiLoCo`, on the same Manager and Lighthouse as every-step replica groups
+(replicas.py).
+
+A round is H = `diloco.sync_every` steps of the global order (fewer at the run's end). Each
+group takes its share of every one of them (shares of G over the round's P participants, as
+every-step groups do) with its own inner AdamW steps and no communication; then the outer
+sync: a quorum, the pseudo-gradients (the weights at the round's start minus each group's
+now) averaged over the participants, the outer Nesterov SGD step on the round's start weights
+(torchft's fragment: prepare_sync, perform_sync). The round's losses, a checksum of the
+positions each group took and who took part travel in one more reduction beside it.
+
+Exactly once. A round commits only when the sync's participants took exactly the round's
+positions, each once (the summed checksum): then its H steps count as trained, go into the
+ledger and advance the run. A group lost during the round (or one that joined at the sync:
+it has trained nothing) breaks the checksum; every group then votes not to commit, torchft
+puts the round's start weights back, and the same positions are trained again, in the same
+order, by the groups of the new quorum. The survivors never restart; what a lost group took
+is trained by whoever takes part. What this costs: the survivors' inner steps of that
+round, and their inner AdamW moments keep those steps (only the weights go back).
+
+The round is the unit of the run's duties: logging, evaluation, checkpoints and the stop and
+spot-notice checks happen after a committed round (their cadences are met by the first round
+end at or past each multiple), when every group holds the same weights. Bytes handed to the
+collectives are counted (`comm/bytes_sent`, `comm/bytes_per_token`) for both sync modes.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from torch.distributed import ReduceOp
+
+from raytrain_lm.errors import UserError
+from raytrain_lm.trainer import faults
+from raytrain_lm.trainer.cadence import Cadences
+from raytrain_lm.trainer.plan import learning_rate
+from raytrain_lm.trainer.progress import announce
+from raytrain_lm.trainer.quorum import ByteCounter
+from raytrain_lm.trainer.replicas import ReplicaWorker
+from raytrain_lm.trainer.roster import SLOTS_PER_PARTICIPANT, position_checksum, roster_slots
+from raytrain_lm.trainer.step import StepParts, accumulate_gradients, apply_update, step_seed
+
+if TYPE_CHECKING:
+    from raytrain_lm.trainer.loop import RaySide
+    from raytrain_lm.trainer.spec import WorkerSpec
+
+
+class CountingManager:
+    """torchft's Manager as DiLoCo's fragment sees it: every call passes through; the bytes
+    each all-reduce hands to the network are counted."""
+
+    def __init__(self, manager, counter: ByteCounter):
+        self._manager, self._counter = manager, counter
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._manager, name)
+
+    def allreduce(self, tensor: torch.Tensor, should_quantize: bool = False, **kwargs):
+        self._counter.add(tensor, 1 if should_quantize else None)  # quantized: fp8 elements
+        return self._manager.allreduce(tensor, should_quantize=should_quantize, **kwargs)
+
+
+class InnerAndOuter:
+    """What a DiLoCo checkpoint holds of its optimizers: the inner AdamW's and the outer SGD's
+    state (at a round's end the weights are the outer ones: nothing else to keep)."""
+
+    def __init__(self, inner: torch.optim.Optimizer, outer: torch.optim.Optimizer):
+        self.inner, self.outer = inner, outer
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"inner": self.inner.state_dict(), "outer": self.outer.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if set(state) == {"inner", "outer"}:
+            self.inner.load_state_dict(state["inner"])
+            self.outer.load_state_dict(state["outer"])
+        else:  # a checkpoint of every-step sync: the outer momentum starts from zero
+            self.inner.load_state_dict(state)
+
+
+class DilocoWorker(ReplicaWorker):
+    """A replica group that syncs every `diloco.sync_every` steps (module docstring)."""
+
+    def __init__(self, spec: WorkerSpec, ray_side: RaySide, rank: int, world: int, t_start):
+        super().__init__(spec, ray_side, rank, world, t_start)
+        from torchft.local_sgd import DiLoCo
+
+        settings = spec.config.diloco
+        if settings.quantize and self.device.type != "cuda":
+            raise UserError("diloco.quantize needs CUDA (torchft's fused fp8 kernels)")
+        self.sync_every = settings.sync_every
+        self.outer_optimizer = torch.optim.SGD(
+            self.model.parameters(),
+            lr=settings.outer_lr,
+            momentum=settings.outer_momentum,
+            nesterov=settings.outer_momentum > 0,
+        )
+        # Built before the first quorum: it registers the round's start weights and the outer
+        # optimizer with the Manager, so that a group joining at a sync heals them too.
+        self.diloco = DiLoCo(
+            CountingManager(self.quorum.manager, self.quorum.bytes),
+            [self.model],
+            self.optimizer,
+            self.outer_optimizer,
+            sync_every=self.sync_every,
+            backup_device=self.device,
+            pin_memory=False,
+            should_quantize=settings.quantize,
+        )
+        (self.fragment,) = self.diloco._fragments  # driven here: rounds end where we say
+        self.every = _round_cadences(self.every)
+        self.outer_steps = 0
+
+    @property
+    def checkpointed_optimizer(self) -> InnerAndOuter:
+        return InnerAndOuter(self.optimizer, self.outer_optimizer)
+
+    def restore(self, offered) -> None:
+        super().restore(offered)
+        if self.healed_at is not None:
+            self._join_sync()
+        else:  # restored from a checkpoint (or the seed): the first round starts from these
+            self.fragment.save_parameters()
+        for cadence in (self.every.log, self.every.eval, self.every.checkpoint):
+            cadence._last_step = self.state.step
+
+    def _join_sync(self) -> None:
+        """A group that healed at the others' sync takes part in it with nothing trained: the
+        checksum it adds (none) keeps that round from committing, and torchft puts everyone's
+        round-start weights back (its own too, which it has just received)."""
+        values = torch.zeros(self._values_size(), dtype=torch.float64, device=self.device)
+        self.quorum.bytes.add(values)
+        summing = self.quorum.manager.allreduce(values, reduce_op=ReduceOp.SUM)
+        self.fragment.prepare_sync()
+        summing.wait()
+        self.quorum.manager.report_error(RuntimeError("joined at this sync: nothing to commit"))
+        self.fragment.perform_sync()
+
+    def _checkpoint_now(self) -> None:
+        """A checkpoint outside a sync (the Lighthouse lost, too few groups): the weights of
+        the last committed round, to which the run's step and position belong."""
+        self.fragment.restore_parameters()
+        super()._checkpoint_now()
+
+    def _values_size(self) -> int:
+        # losses and gradient norms of the round's steps, the positions' checksum, the stop
+        # flag, and who took part (roster.py): a slot for every group there may be, so that a
+        # group that joins at the sync sends as many values as the others
+        return 2 * self.sync_every + 3 + 1 + SLOTS_PER_PARTICIPANT * self.groups
+
+    # ------------------------------------------------------------------------------ rounds
+
+    def _take_step(self, parts: StepParts, batches) -> None:
+        """One round: H inner steps, then the outer sync; taken again until it commits."""
+        cfg, state = self.cfg, self.state
+        g = cfg.training.global_batch_size
+        while True:
+            first = state.step
+            length = min(self.sync_every, self.end_step - first)
+            plan, p, participants = self._plan(), self.participant, self.participants
+            assert p is not None, "a group that healed takes part"
+            self.plan = plan
+            step_parts = replace(parts, plan=plan, rank=p)
+            mine = slice(plan.offset(p), plan.offset(p) + plan.shares[p])
+            losses, norms, taken, lrs = [], [], [], []
+            self.tick = time.perf_counter()
+            waited = 0.0
+            for i in range(length):
+                started = time.perf_counter()
+                positions, tokens = next(batches)
+                waited += time.perf_counter() - started
+                torch.manual_seed(step_seed(cfg.training.seed, first + i, p))
+                lr = learning_rate(
+                    first + i, cfg.optim.lr, cfg.optim.min_lr, cfg.optim.warmup_steps,
+                    self.decay_steps,
+                )  # fmt: skip
+                losses.append(accumulate_gradients(step_parts, tokens[mine]))
+                norm, _ = apply_update(step_parts, lr)
+                norms.append(norm)
+                taken.append(positions[mine].copy())
+                lrs.append(lr)
+                faults.maybe_fire(
+                    self.spec.fault, "kill-in-round", first + i + 1, self.group, self.run_dir
+                )
+            stop = float(self.is_chief and self._stop_due())
+            summed, committed = self._sync(losses, norms, taken, stop, participants, first, length)
+            if committed:
+                break
+            self._event(
+                "round_retaken", group=self.group, step=first, participants=self.participants
+            )
+            announce(
+                f"round of steps {first + 1}-{first + length} did not commit (a group left or "
+                f"joined): {self.participants} groups take it again",
+                self.is_chief,
+            )
+            self.batches.close()
+            self.batches = batches = self._batches()
+        self.outer_steps += 1
+        self._note_membership(first + length)
+        h = self.sync_every
+        step_losses, step_norms = summed[:length], summed[h : h + length]
+        self.stop_seen = summed[2 * h + 3] > 0
+        self._note_roster(summed[2 * h + 4 :][: SLOTS_PER_PARTICIPANT * participants])
+        for i in range(length):
+            state.step += 1
+            state.tokens += self.tokens_per_step
+            state.position += g
+            if cfg.training.ledger:
+                self.ledger.append(np.arange((state.step - 1) * g, state.step * g, dtype=np.int64))
+            metrics = {
+                "train/lr": lrs[i],
+                "progress/tokens": state.tokens,
+                "replicas/participants": participants,
+                "diloco/outer_step": self.outer_steps,
+            }
+            loss = torch.tensor(step_losses[i], device=self.device)
+            norm = torch.tensor(step_norms[i] / participants, device=self.device)
+            self.pending.add(state.step, loss, norm, metrics, waited if i == 0 else 0.0)
+        self.watchdog.beat()
+        self.pacer.pace(self.tick)
+
+    def _sync(self, losses, norms, taken, stop, participants, first, length):
+        """The outer sync of a round: returns the summed values and whether it committed."""
+        g, h = self.cfg.training.global_batch_size, self.sync_every
+        p_before = self.participant
+        self.participant, self.participants = self.quorum.form()
+        pad = [0.0] * (h - length)
+        checksum = position_checksum(np.concatenate(taken))
+        roster = roster_slots(p_before, self.groups, self.types[0], self.my_price)
+        host = [*checksum, stop, *roster]
+        values = torch.cat(
+            [
+                torch.stack(losses).double(),
+                torch.tensor(pad, dtype=torch.float64, device=self.device),
+                torch.stack(norms).double().to(self.device),
+                torch.tensor([*pad, *host], dtype=torch.float64, device=self.device),
+            ]
+        )
+        manager = self.quorum.manager
+        self.quorum.bytes.add(values)
+        summing = manager.allreduce(values, reduce_op=ReduceOp.SUM)
+        self.fragment.prepare_sync()
+        summing.wait()
+        summed = values.tolist()
+        wanted = position_checksum(np.arange(first * g, (first + length) * g, dtype=np.int64))
+        if summed[2 * h : 2 * h + 3] != wanted or self.participants != participants:
+            manager.report_error(RuntimeError("the round's positions were not all taken once"))
+        committed = self.fragment.perform_sync()
+        return summed, committed
+
+
+def _round_cadences(every: Cadences) -> Cadences:
+    """Log, evaluation and checkpoint at the first round end at or past each multiple."""
+    for cadence in (every.log, every.eval, every.checkpoint):
+        cadence.crossing = True
+    return every

@@ -1,0 +1,64 @@
+"""`parallel.sync=diloco` (trainer/diloco.py) on the session's Ray, with no incident: DiLoCo that
+syncs every step with a plain outer step is every-step sync; with H=4, rounds of 4 steps, every
+position once, duties at round ends, and a quarter of the bytes per token. The incidents (a
+group killed between syncs) are test_diloco_chaos.py's."""
+
+from __future__ import annotations
+
+import mlflow
+from support.step_losses import assert_same_step_losses
+
+import raytrain_lm
+from raytrain_lm.config import load_config
+from raytrain_lm.data.ledger import read_ledger
+from raytrain_lm.trainer.checkpoint import complete_checkpoints, read_state
+from raytrain_lm.trainer.goodput import read_events
+
+H = 4
+
+
+def _metric(uri: str, run_id: str, name: str) -> list[tuple[int, float]]:
+    history = mlflow.tracking.MlflowClient(tracking_uri=uri).get_metric_history(run_id, name)
+    return sorted((m.step, m.value) for m in history)
+
+
+def test_diloco_h1_is_every_step_sync_and_h4_sends_a_quarter_of_the_bytes(world_size_runs):
+    """One group: DiLoCo with H=1, outer lr 1 and no momentum takes every-step sync's steps
+    (the outer step puts the round's start weights onto the inner step's: step losses within
+    1e-5). With more groups the two differ by design: averaging the groups' AdamW updates is
+    not AdamW on their averaged gradients. Two groups with H=4: 3 rounds of 4 steps, each
+    position once, checkpoints at the first round end past each multiple of 3, and the bytes
+    each group hands to its all-reduces per token a quarter of every-step sync's (the round's
+    per-step losses ride along: on this tiny model that is 0.1 %)."""
+    common, steps = world_size_runs["common"], world_size_runs["reference"]["steps"]
+    uri = next(o.split("=", 1)[1] for o in common if o.startswith("tracking.uri="))
+    one = [*common, "scaling.fault_tolerance=replicas", "scaling.num_workers=1"]
+    every = raytrain_lm.train(load_config(None, [*one, "name=every-step-1"]), sample=False)
+    plain = ["parallel.sync=diloco", "diloco.sync_every=1", "diloco.outer_lr=1"]
+    h1 = raytrain_lm.train(
+        load_config(None, [*one, *plain, "diloco.outer_momentum=0", "name=diloco-h1"]),
+        sample=False,
+    )
+    assert_same_step_losses(uri, h1["mlflow_run_id"], every["mlflow_run_id"], steps)
+
+    two = [*common, "scaling.fault_tolerance=replicas", "scaling.num_workers=2"]
+    h4 = raytrain_lm.train(
+        load_config(None, [*two, "parallel.sync=diloco", f"diloco.sync_every={H}", "name=h4"]),
+        sample=False,
+    )
+    assert h4["steps"] == steps and not h4["stopped"]
+    run_dir = world_size_runs["output_dir"] / "h4"
+    assert read_ledger(run_dir).tolist() == list(range(steps * 12))
+    outer = _metric(uri, h4["mlflow_run_id"], "diloco/outer_step")
+    assert [value for _, value in outer] == [(s - 1) // H + 1 for s in range(1, steps + 1)]
+    events = read_events(run_dir)
+    saved = [e["step"] for e in events if e["event"] == "checkpoint_saved"]
+    assert saved == [4, 8, 12], saved  # every 3 steps: at the first round end past each
+    assert read_state(complete_checkpoints(run_dir)[-1]).step == steps
+    assert not [e for e in events if e["event"] == "round_retaken"]
+
+    def bytes_per_token(summary) -> float:
+        return _metric(uri, summary["mlflow_run_id"], "comm/bytes_per_token")[-1][1]
+
+    ratio = bytes_per_token(every) / bytes_per_token(h4)
+    assert H * 0.999 <= ratio <= H, ratio
