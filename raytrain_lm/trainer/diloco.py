@@ -113,6 +113,8 @@ class DilocoWorker(ReplicaWorker):
             should_quantize=settings.quantize,
         )
         (self.fragment,) = self.diloco._fragments  # driven here: rounds end where we say
+        self.outer_scale = 1.0
+        self.outer_optimizer.register_step_pre_hook(self._scale_outer_gradients)
         self.every = _round_cadences(self.every)
         self.outer_steps = 0
 
@@ -121,25 +123,27 @@ class DilocoWorker(ReplicaWorker):
         return InnerAndOuter(self.optimizer, self.outer_optimizer)
 
     def restore(self, offered) -> None:
+        """Joins the first quorum (super) and takes part in its sync with nothing trained:
+        every quorum is a sync, so that every group of it reduces the same values. At a fresh
+        start nobody trained and nothing commits; a group that joins others at the end of
+        their round (healed from them) commits their round with them."""
         super().restore(offered)
-        if self.healed_at is not None:
-            self._join_sync()
-        else:  # restored from a checkpoint (or the seed): the first round starts from these
+        if self.healed_at is None:  # restored from a checkpoint (or the seed)
             self.fragment.save_parameters()
+        else:  # the peer's weights mid-round: contribute none of them
+            self.fragment.restore_parameters()
+        if not hasattr(self, "seen_participants"):  # start() sets them; a commit here needs them
+            self.seen_participants = self.participants
+        self.last_commit_t = time.time()
+        zeros = [torch.zeros((), device=self.device)] * self.sync_every
+        first = self.state.step
+        length = min(self.sync_every, self.end_step - first)
+        if length > 0:
+            summed, committed = self._sync(zeros, zeros, [], 0.0, first, length, trained=False)
+            if committed:
+                self._commit_round(summed, first, length, waited=0.0)
         for cadence in (self.every.log, self.every.eval, self.every.checkpoint):
             cadence._last_step = self.state.step
-
-    def _join_sync(self) -> None:
-        """A group that healed at the others' sync takes part in it with nothing trained: the
-        checksum it adds (none) keeps that round from committing, and torchft puts everyone's
-        round-start weights back (its own too, which it has just received)."""
-        values = torch.zeros(self._values_size(), dtype=torch.float64, device=self.device)
-        self.quorum.bytes.add(values)
-        summing = self.quorum.manager.allreduce(values, reduce_op=ReduceOp.SUM)
-        self.fragment.prepare_sync()
-        summing.wait()
-        self.quorum.manager.report_error(RuntimeError("joined at this sync: nothing to commit"))
-        self.fragment.perform_sync()
 
     def _checkpoint_now(self) -> None:
         """A checkpoint outside a sync (the Lighthouse lost, too few groups): the weights of
@@ -147,27 +151,20 @@ class DilocoWorker(ReplicaWorker):
         self.fragment.restore_parameters()
         super()._checkpoint_now()
 
-    def _values_size(self) -> int:
-        # losses and gradient norms of the round's steps, the positions' checksum, the stop
-        # flag, and who took part (roster.py): a slot for every group there may be, so that a
-        # group that joins at the sync sends as many values as the others
-        return 2 * self.sync_every + 3 + 1 + SLOTS_PER_PARTICIPANT * self.groups
-
     # ------------------------------------------------------------------------------ rounds
 
     def _take_step(self, parts: StepParts, batches) -> None:
         """One round: H inner steps, then the outer sync; taken again until it commits."""
         cfg, state = self.cfg, self.state
-        g = cfg.training.global_batch_size
         while True:
             first = state.step
             length = min(self.sync_every, self.end_step - first)
-            plan, p, participants = self._plan(), self.participant, self.participants
+            plan, p = self._plan(), self.participant
             assert p is not None, "a group that healed takes part"
             self.plan = plan
             step_parts = replace(parts, plan=plan, rank=p)
             mine = slice(plan.offset(p), plan.offset(p) + plan.shares[p])
-            losses, norms, taken, lrs = [], [], [], []
+            losses, norms, taken = [], [], []
             self.tick = time.perf_counter()
             waited = 0.0
             for i in range(length):
@@ -175,38 +172,103 @@ class DilocoWorker(ReplicaWorker):
                 positions, tokens = next(batches)
                 waited += time.perf_counter() - started
                 torch.manual_seed(step_seed(cfg.training.seed, first + i, p))
-                lr = learning_rate(
-                    first + i, cfg.optim.lr, cfg.optim.min_lr, cfg.optim.warmup_steps,
-                    self.decay_steps,
-                )  # fmt: skip
                 losses.append(accumulate_gradients(step_parts, tokens[mine]))
-                norm, _ = apply_update(step_parts, lr)
+                norm, _ = apply_update(step_parts, self._lr(first + i))
                 norms.append(norm)
                 taken.append(positions[mine].copy())
-                lrs.append(lr)
                 faults.maybe_fire(
                     self.spec.fault, "kill-in-round", first + i + 1, self.group, self.run_dir
                 )
             stop = float(self.is_chief and self._stop_due())
-            summed, committed = self._sync(losses, norms, taken, stop, participants, first, length)
+            summed, committed = self._sync(losses, norms, taken, stop, first, length)
             if committed:
                 break
             self._event(
                 "round_retaken", group=self.group, step=first, participants=self.participants
             )
             announce(
-                f"round of steps {first + 1}-{first + length} did not commit (a group left or "
-                f"joined): {self.participants} groups take it again",
+                f"round of steps {first + 1}-{first + length} did not commit (a group was "
+                f"lost): {self.participants} group(s) take it again",
                 self.is_chief,
             )
             self.batches.close()
             self.batches = batches = self._batches()
+        self._commit_round(summed, first, length, waited)
+        self.watchdog.beat()
+        self.pacer.pace(self.tick)
+
+    def _lr(self, step: int) -> float:
+        optim = self.cfg.optim
+        return learning_rate(step, optim.lr, optim.min_lr, optim.warmup_steps, self.decay_steps)
+
+    def _sync(self, losses, norms, taken, stop, first, length, trained=True):
+        """The outer sync of a round [first, first + length): a quorum, the pseudo-gradients
+        averaged (torchft's fragment), and beside them the round's losses, the checksum of the
+        positions taken, how many groups trained, the stop flag and who trained (roster.py).
+        It commits when the groups that trained took the round's positions exactly once; the
+        average, over everyone in the quorum (torchft's), is then scaled to one over those
+        that trained (a group that joined at this sync sent zeros). Every group of the quorum
+        decides alike. Returns the summed values and whether the round committed."""
+        g, h = self.cfg.training.global_batch_size, self.sync_every
+        trained_as = self.participant
+        if trained:  # else the quorum restore() just formed, which the others are in
+            self.participant, self.participants = self.quorum.form()
+        pad = [0.0] * (h - len(losses))
+        checksum = position_checksum(np.concatenate(taken)) if taken else [0.0] * 3
+        roster = (
+            roster_slots(trained_as, self.groups, self.types[0], self.my_price)
+            if trained
+            else [0.0] * SLOTS_PER_PARTICIPANT * self.groups
+        )
+        host = [*checksum, float(trained), stop, *roster]
+        values = torch.cat(
+            [
+                torch.stack(losses).double().reshape(-1),
+                torch.tensor(pad, dtype=torch.float64, device=self.device),
+                torch.stack(norms).double().reshape(-1).to(self.device),
+                torch.tensor([*pad, *host], dtype=torch.float64, device=self.device),
+            ]
+        )
+        manager = self.quorum.manager
+        self.quorum.bytes.add(values)
+        # First, and alone: whether anyone trained (at a fresh start nobody has, and the
+        # weights' all-reduce is skipped by every group alike).
+        manager.allreduce(values, reduce_op=ReduceOp.SUM).wait()
+        summed = values.tolist()
+        trainers = summed[2 * h + 3]
+        if trainers < 1:
+            manager.report_error(RuntimeError("nobody trained this round"))
+            manager.should_commit()
+            return summed, False
+        self.fragment.prepare_sync()
+        wanted = position_checksum(np.arange(first * g, (first + length) * g, dtype=np.int64))
+        if summed[2 * h : 2 * h + 3] != wanted:
+            manager.report_error(RuntimeError("the round's positions were not all taken once"))
+        self.outer_scale = self.participants / trainers
+        committed = self.fragment.perform_sync()
+        return summed, committed
+
+    def _scale_outer_gradients(self, *_args) -> None:
+        """The outer optimizer's step pre-hook: torchft's average over the quorum, made one
+        over the groups that trained."""
+        if self.outer_scale != 1.0:
+            for group in self.outer_optimizer.param_groups:
+                for param in group["params"]:
+                    if param.grad is not None:
+                        param.grad.mul_(self.outer_scale)
+
+    def _commit_round(self, summed: list[float], first: int, length: int, waited: float):
+        """A committed round's bookkeeping, the same in every group of the quorum: the run
+        advances by its steps, its positions go into the ledger, its steps' summed losses into
+        the metrics; the Manager's step follows the run's, as with every-step sync (a group
+        that restores a checkpoint, or heals, compares those)."""
+        cfg, state, h = self.cfg, self.state, self.sync_every
+        g = cfg.training.global_batch_size
+        trainers = max(1, round(summed[2 * h + 3]))
         self.outer_steps += 1
         self._note_membership(first + length)
-        h = self.sync_every
-        step_losses, step_norms = summed[:length], summed[h : h + length]
-        self.stop_seen = summed[2 * h + 3] > 0
-        self._note_roster(summed[2 * h + 4 :][: SLOTS_PER_PARTICIPANT * participants])
+        self.stop_seen = summed[2 * h + 4] > 0
+        self._note_roster(summed[2 * h + 5 :][: SLOTS_PER_PARTICIPANT * trainers])
         for i in range(length):
             state.step += 1
             state.tokens += self.tokens_per_step
@@ -214,45 +276,18 @@ class DilocoWorker(ReplicaWorker):
             if cfg.training.ledger:
                 self.ledger.append(np.arange((state.step - 1) * g, state.step * g, dtype=np.int64))
             metrics = {
-                "train/lr": lrs[i],
+                "train/lr": self._lr(first + i),
                 "progress/tokens": state.tokens,
-                "replicas/participants": participants,
+                "replicas/participants": trainers,
                 "diloco/outer_step": self.outer_steps,
             }
-            loss = torch.tensor(step_losses[i], device=self.device)
-            norm = torch.tensor(step_norms[i] / participants, device=self.device)
+            loss = torch.tensor(summed[i], device=self.device)
+            norm = torch.tensor(summed[h + i] / trainers, device=self.device)
             self.pending.add(state.step, loss, norm, metrics, waited if i == 0 else 0.0)
-        self.watchdog.beat()
-        self.pacer.pace(self.tick)
-
-    def _sync(self, losses, norms, taken, stop, participants, first, length):
-        """The outer sync of a round: returns the summed values and whether it committed."""
-        g, h = self.cfg.training.global_batch_size, self.sync_every
-        p_before = self.participant
-        self.participant, self.participants = self.quorum.form()
-        pad = [0.0] * (h - length)
-        checksum = position_checksum(np.concatenate(taken))
-        roster = roster_slots(p_before, self.groups, self.types[0], self.my_price)
-        host = [*checksum, stop, *roster]
-        values = torch.cat(
-            [
-                torch.stack(losses).double(),
-                torch.tensor(pad, dtype=torch.float64, device=self.device),
-                torch.stack(norms).double().to(self.device),
-                torch.tensor([*pad, *host], dtype=torch.float64, device=self.device),
-            ]
-        )
         manager = self.quorum.manager
-        self.quorum.bytes.add(values)
-        summing = manager.allreduce(values, reduce_op=ReduceOp.SUM)
-        self.fragment.prepare_sync()
-        summing.wait()
-        summed = values.tolist()
-        wanted = position_checksum(np.arange(first * g, (first + length) * g, dtype=np.int64))
-        if summed[2 * h : 2 * h + 3] != wanted or self.participants != participants:
-            manager.report_error(RuntimeError("the round's positions were not all taken once"))
-        committed = self.fragment.perform_sync()
-        return summed, committed
+        manager.load_state_dict(
+            {"step": state.step, "batches_committed": manager.batches_committed()}
+        )
 
 
 def _round_cadences(every: Cadences) -> Cadences:

@@ -42,6 +42,14 @@ def join_timeout_s(cfg: RunConfig) -> float:
     return cfg.replicas.join_timeout_s
 
 
+def quorum_timeout_s(cfg: RunConfig) -> float:
+    """One attempt at a quorum; under DiLoCo it outlasts the Lighthouse's wait for groups
+    still in their round, so that waiting for them is not taken for a failed attempt."""
+    if cfg.parallel.sync == "diloco":
+        return max(cfg.replicas.quorum_timeout_s, join_timeout_s(cfg) + 10)
+    return cfg.replicas.quorum_timeout_s
+
+
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # set in every worker by Ray Train's TorchftConfig
 
 
@@ -123,10 +131,7 @@ class Quorum:
             min_replica_size=self.min_groups,
             use_async_quorum=False,  # a healed group takes part in the step it healed in
             timeout=timeout,
-            # one attempt outlasts the Lighthouse's wait for groups that have not asked yet
-            quorum_timeout=timedelta(
-                seconds=max(cfg.replicas.quorum_timeout_s, join_timeout_s(cfg) + 10)
-            ),
+            quorum_timeout=timedelta(seconds=quorum_timeout_s(cfg)),
             connect_timeout=timeout,
             rank=0,
             world_size=1,
