@@ -76,8 +76,9 @@ def test_a_group_killed_between_syncs_loses_no_sequence_and_the_survivor_goes_on
     sixth inner step, in the middle of the second round. Group 0 finds it gone at the sync:
     that round does not commit (its positions were not all taken), torchft puts the round's
     start weights back and group 0 takes the round alone. Ray Train replaces group 1, which
-    heals from group 0 at a sync (nothing committed there either: it trained nothing) and then
-    takes part. The run completes, every position exactly once, group 0 in one process."""
+    heals from group 0 at a sync and commits group 0's round with it (it sends a zero
+    pseudo-gradient; the average is over the group that trained), then takes its share. The
+    run completes, every position exactly once, group 0 in one process."""
     run_dir = tmp_path / "runs" / "killed"
     overrides = [
         *tiny_overrides,
@@ -110,4 +111,5 @@ def test_a_group_killed_between_syncs_loses_no_sequence_and_the_survivor_goes_on
     assert [e["healed"] for e in starts if e["group"] == 1] == [False, True]
     retaken = [e for e in events if e["event"] == "round_retaken"]
     assert retaken and all(e["step"] % 4 == 0 and e["step"] >= 4 for e in retaken)
+    assert all(e["group"] == 0 for e in retaken), retaken  # the join retakes nothing
     assert list(run_dir.glob("fault-fired-kill-in-round-6-1")), "group 1 was not killed"

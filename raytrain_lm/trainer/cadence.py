@@ -27,8 +27,13 @@ class Every:
     crossing: bool = False
     _last_time: float = field(default_factory=time.monotonic, repr=False)
     _last_step: int | None = field(default=None, repr=False)
+    last_due: bool = field(default=False, repr=False)
 
     def due(self, step: int, end_step: int) -> bool:
+        self.last_due = self._due(step, end_step)  # what this step was told
+        return self.last_due
+
+    def _due(self, step: int, end_step: int) -> bool:
         last, self._last_step = self._last_step, step
         if self.at_end and step == end_step:
             return True

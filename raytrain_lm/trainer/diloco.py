@@ -10,14 +10,16 @@ now) averaged over the participants, the outer Nesterov SGD step on the round's 
 (torchft's fragment: prepare_sync, perform_sync). The round's losses, a checksum of the
 positions each group took and who took part travel in one more reduction beside it.
 
-Exactly once. A round commits only when the sync's participants took exactly the round's
-positions, each once (the summed checksum): then its H steps count as trained, go into the
-ledger and advance the run. A group lost during the round (or one that joined at the sync:
-it has trained nothing) breaks the checksum; every group then votes not to commit, torchft
-puts the round's start weights back, and the same positions are trained again, in the same
-order, by the groups of the new quorum. The survivors never restart; what a lost group took
-is trained by whoever takes part. What this costs: the survivors' inner steps of that
-round, and their inner AdamW moments keep those steps (only the weights go back).
+Exactly once. Every quorum is a sync. A round commits only when the groups that trained took
+exactly the round's positions, each once (the summed checksum): then its H steps count as
+trained, go into the ledger and advance the run. A group lost during the round breaks the
+checksum; every group then votes not to commit, torchft puts the round's start weights back,
+and the same positions are trained again, in the same order, by the groups of the new quorum.
+The survivors never restart; what a lost group took is trained by whoever takes part. What
+this costs: the survivors' inner steps of that round, and their inner AdamW moments keep
+those steps (only the weights go back). A group that joins (or, behind, is healed) at a sync
+takes part in it with nothing trained and a zero pseudo-gradient; the average is scaled to
+one over the groups that trained, and the round commits for everyone.
 
 The round is the unit of the run's duties: logging, evaluation, checkpoints and the stop and
 spot-notice checks happen after a committed round (their cadences are met by the first round
@@ -114,6 +116,7 @@ class DilocoWorker(ReplicaWorker):
         )
         (self.fragment,) = self.diloco._fragments  # driven here: rounds end where we say
         self.outer_scale = 1.0
+        self.joined_round: tuple[list[float], int, int] | None = None
         self.outer_optimizer.register_step_pre_hook(self._scale_outer_gradients)
         self.every = _round_cadences(self.every)
         self.outer_steps = 0
@@ -126,7 +129,8 @@ class DilocoWorker(ReplicaWorker):
         """Joins the first quorum (super) and takes part in its sync with nothing trained:
         every quorum is a sync, so that every group of it reduces the same values. At a fresh
         start nobody trained and nothing commits; a group that joins others at the end of
-        their round (healed from them) commits their round with them."""
+        their round (healed from them) commits their round with them, and does that round's
+        duties in the loop's first pass, as they do (`_take_step`)."""
         super().restore(offered)
         if self.healed_at is None:  # restored from a checkpoint (or the seed)
             self.fragment.save_parameters()
@@ -135,15 +139,13 @@ class DilocoWorker(ReplicaWorker):
         if not hasattr(self, "seen_participants"):  # start() sets them; a commit here needs them
             self.seen_participants = self.participants
         self.last_commit_t = time.time()
-        zeros = [torch.zeros((), device=self.device)] * self.sync_every
-        first = self.state.step
-        length = min(self.sync_every, self.end_step - first)
-        if length > 0:
-            summed, committed = self._sync(zeros, zeros, [], 0.0, first, length, trained=False)
-            if committed:
-                self._commit_round(summed, first, length, waited=0.0)
         for cadence in (self.every.log, self.every.eval, self.every.checkpoint):
             cadence._last_step = self.state.step
+        self.joined_round = None
+        if self.state.step < self.end_step:
+            summed, committed, first, length = self._sync(None, None, [], 0.0, trained=False)
+            if committed:
+                self.joined_round = (summed, first, length)
 
     def _checkpoint_now(self) -> None:
         """A checkpoint outside a sync (the Lighthouse lost, too few groups): the weights of
@@ -155,9 +157,15 @@ class DilocoWorker(ReplicaWorker):
 
     def _take_step(self, parts: StepParts, batches) -> None:
         """One round: H inner steps, then the outer sync; taken again until it commits."""
-        cfg, state = self.cfg, self.state
+        if self.joined_round is not None:  # committed with the others as this group joined
+            summed, first, length = self.joined_round
+            self.joined_round = None
+            self._commit_round(summed, first, length, waited=0.0)
+            self._read_from_here()
+            return
+        cfg = self.cfg
         while True:
-            first = state.step
+            first = self.state.step
             length = min(self.sync_every, self.end_step - first)
             plan, p = self._plan(), self.participant
             assert p is not None, "a group that healed takes part"
@@ -176,11 +184,15 @@ class DilocoWorker(ReplicaWorker):
                 norm, _ = apply_update(step_parts, self._lr(first + i))
                 norms.append(norm)
                 taken.append(positions[mine].copy())
+                self.watchdog.beat()
                 faults.maybe_fire(
                     self.spec.fault, "kill-in-round", first + i + 1, self.group, self.run_dir
                 )
             stop = float(self.is_chief and self._stop_due())
-            summed, committed = self._sync(losses, norms, taken, stop, first, length)
+            healed_before = self.healed_at
+            summed, committed, first, length = self._sync(losses, norms, taken, stop)
+            self.watchdog.beat()
+            healed = self.healed_at != healed_before  # it was behind: now where they are
             if committed:
                 break
             self._event(
@@ -191,28 +203,44 @@ class DilocoWorker(ReplicaWorker):
                 f"lost): {self.participants} group(s) take it again",
                 self.is_chief,
             )
-            self.batches.close()
-            self.batches = batches = self._batches()
+            batches = self._read_from_here()
         self._commit_round(summed, first, length, waited)
-        self.watchdog.beat()
+        if healed:
+            self._read_from_here()
         self.pacer.pace(self.tick)
+
+    def _read_from_here(self):
+        """The data stream again, from the run's step now (a round retaken, a heal)."""
+        self.batches.close()
+        self.batches = self._batches()
+        return self.batches
 
     def _lr(self, step: int) -> float:
         optim = self.cfg.optim
         return learning_rate(step, optim.lr, optim.min_lr, optim.warmup_steps, self.decay_steps)
 
-    def _sync(self, losses, norms, taken, stop, first, length, trained=True):
-        """The outer sync of a round [first, first + length): a quorum, the pseudo-gradients
-        averaged (torchft's fragment), and beside them the round's losses, the checksum of the
+    def _sync(self, losses, norms, taken, stop, trained=True):
+        """The outer sync of this group's round: a quorum, the pseudo-gradients averaged
+        (torchft's fragment), and beside them the round's losses, the checksum of the
         positions taken, how many groups trained, the stop flag and who trained (roster.py).
         It commits when the groups that trained took the round's positions exactly once; the
         average, over everyone in the quorum (torchft's), is then scaled to one over those
         that trained (a group that joined at this sync sent zeros). Every group of the quorum
-        decides alike. Returns the summed values and whether the round committed."""
+        decides alike. A group healed by this quorum (it was behind) trained nothing the
+        others did: it takes part as a joiner. Returns the summed values, whether the round
+        committed, and the round's first step and length."""
         g, h = self.cfg.training.global_batch_size, self.sync_every
-        trained_as = self.participant
+        trained_as, healed_before = self.participant, self.healed_at
         if trained:  # else the quorum restore() just formed, which the others are in
             self.participant, self.participants = self.quorum.form()
+        if self.healed_at != healed_before:
+            self.fragment.restore_parameters()
+            trained = False
+        first = self.state.step
+        length = min(h, self.end_step - first)
+        if not trained:
+            losses = norms = [torch.zeros((), device=self.device)] * h
+            taken, stop = [], 0.0
         pad = [0.0] * (h - len(losses))
         checksum = position_checksum(np.concatenate(taken)) if taken else [0.0] * 3
         roster = (
@@ -236,21 +264,29 @@ class DilocoWorker(ReplicaWorker):
         manager.allreduce(values, reduce_op=ReduceOp.SUM).wait()
         summed = values.tolist()
         trainers = summed[2 * h + 3]
-        if trainers < 1:
-            manager.report_error(RuntimeError("nobody trained this round"))
+        if manager.errored() is not None or trainers < 1:
+            # The reduction failed (its values are not to be trusted), or nobody trained.
+            manager.report_error(RuntimeError("nothing to commit at this sync"))
             manager.should_commit()
-            return summed, False
+            if trained:
+                self.fragment.restore_parameters()
+            return summed, False, first, length
         self.fragment.prepare_sync()
         wanted = position_checksum(np.arange(first * g, (first + length) * g, dtype=np.int64))
         if summed[2 * h : 2 * h + 3] != wanted:
             manager.report_error(RuntimeError("the round's positions were not all taken once"))
         self.outer_scale = self.participants / trainers
         committed = self.fragment.perform_sync()
-        return summed, committed
+        return summed, committed, first, length
 
     def _scale_outer_gradients(self, *_args) -> None:
         """The outer optimizer's step pre-hook: torchft's average over the quorum, made one
-        over the groups that trained."""
+        over the groups that trained; and the configured outer settings, which a checkpoint's
+        or a peer's optimizer state would otherwise bring back."""
+        settings = self.cfg.diloco
+        for group in self.outer_optimizer.param_groups:
+            group["lr"], group["momentum"] = settings.outer_lr, settings.outer_momentum
+            group["nesterov"] = settings.outer_momentum > 0
         if self.outer_scale != 1.0:
             for group in self.outer_optimizer.param_groups:
                 for param in group["params"]:

@@ -458,8 +458,7 @@ class ReplicaWorker(Worker):
             # A drained group that leaves the others training does what this step asks of
             # any group (the others have done their part of it: as chief, the periodic
             # checkpoint and ledger if one falls here) and no more.
-            every = self.every.checkpoint.steps
-            if not (every and self.state.step % every == 0):
+            if not self.every.checkpoint.last_due:  # this step's periodic checkpoint
                 return
             final = False
         if not self.is_chief:
