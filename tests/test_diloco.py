@@ -13,6 +13,7 @@ import raytrain_lm
 from raytrain_lm.clusters.multinode import Background, wait_for_event
 from raytrain_lm.config import load_config
 from raytrain_lm.data.ledger import read_ledger
+from raytrain_lm.runtime import ensure_ray
 from raytrain_lm.trainer import faults
 from raytrain_lm.trainer.checkpoint import complete_checkpoints, read_state
 from raytrain_lm.trainer.goodput import read_events
@@ -96,6 +97,9 @@ def test_a_group_killed_between_syncs_loses_no_sequence_and_the_survivor_goes_on
         "fault.max_failures=-1",
     ]
     monkeypatch.setenv(faults.ENV_VAR, "slow-steps:seconds=0.3+kill-in-round:step=6:rank=1")
+    # Ray started here, not in the run's thread: the processes a local Ray starts are killed
+    # when the thread that started them ends (PR_SET_PDEATHSIG), and later tests use that Ray.
+    ensure_ray(load_config(None, overrides).scaling)
     run = Background(lambda: raytrain_lm.train(load_config(None, overrides), sample=False))
     wait_for_event(
         run_dir, lambda e: e["event"] == "replica_start" and e["healed"], 300, still_running=run

@@ -173,10 +173,9 @@ class DilocoWorker(ReplicaWorker):
             step_parts = replace(parts, plan=plan, rank=p)
             mine = slice(plan.offset(p), plan.offset(p) + plan.shares[p])
             losses, norms, taken = [], [], []
-            self.tick = time.perf_counter()
             waited = 0.0
             for i in range(length):
-                started = time.perf_counter()
+                started = self.tick = time.perf_counter()
                 positions, tokens = next(batches)
                 waited += time.perf_counter() - started
                 torch.manual_seed(step_seed(cfg.training.seed, first + i, p))
@@ -188,6 +187,7 @@ class DilocoWorker(ReplicaWorker):
                 faults.maybe_fire(
                     self.spec.fault, "kill-in-round", first + i + 1, self.group, self.run_dir
                 )
+                self.pacer.pace(started)  # slow-steps: every inner step (faults.py)
             stop = float(self.is_chief and self._stop_due())
             healed_before = self.healed_at
             summed, committed, first, length = self._sync(losses, norms, taken, stop)
@@ -207,7 +207,6 @@ class DilocoWorker(ReplicaWorker):
         self._commit_round(summed, first, length, waited)
         if healed:
             self._read_from_here()
-        self.pacer.pace(self.tick)
 
     def _read_from_here(self):
         """The data stream again, from the run's step now (a round retaken, a heal)."""

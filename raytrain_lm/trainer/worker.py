@@ -312,7 +312,7 @@ class Worker(Rebalancing, Endings):
                 self._restart_step_clock()  # evaluation time is not step time
             self.tracker.log_metrics(metrics, step=state.step)
             if progress is not None:
-                progress.update(state.step, metrics, force="val/loss" in metrics)
+                progress.update(state.step, metrics, force=log_due or "val/loss" in metrics)
             if ends:
                 self._report_checkpoint(final=True)
                 break
