@@ -66,6 +66,41 @@ def test_diloco_h1_is_every_step_sync_and_h4_sends_a_quarter_of_the_bytes(world_
 
     ratio = bytes_per_token(every) / bytes_per_token(h4)
     assert H * 0.995 <= ratio <= H, ratio
+    sent = _metric(uri, h4["mlflow_run_id"], "comm/bytes_sent")[-1][1]
+    per_sync = _metric(uri, h4["mlflow_run_id"], "comm/bytes_per_outer_step")[-1][1]
+    assert per_sync == pytest.approx(sent / 3, rel=1e-3)  # 3 rounds (and the start's values)
+
+
+def test_two_groups_syncing_every_8_steps_learn_within_5_percent_of_ddp(world_size_runs):
+    """The learnable corpus (Python's docs), 240 steps of 12 sequences: 2 groups with H=8 and
+    plain outer averaging (outer lr 1, no momentum) against 2-worker every-step DDP at the same
+    tokens. Measured: val loss 2.879 against 2.795, a 3.0 % gap. With the paper's outer
+    Nesterov (0.7, 0.9), made for H in the hundreds and long runs, this short run ends 7.8 %
+    behind at H=32 (docs/diloco.md has the table)."""
+    common = [
+        *world_size_runs["common"],
+        "training.max_steps=240",
+        "training.eval_every=240",
+        "training.eval_sequences=128",
+        "training.ledger=false",
+        "checkpoint.every_steps=100000",
+        "tracking.enabled=false",
+        "scaling.num_workers=2",
+    ]
+    ddp = raytrain_lm.train(load_config(None, [*common, "name=ddp-240"]), sample=False)
+    diloco = [
+        "scaling.fault_tolerance=replicas",
+        "parallel.sync=diloco",
+        "diloco.sync_every=8",
+        "diloco.outer_lr=1",
+        "diloco.outer_momentum=0",
+        "name=diloco-h8-240",
+    ]
+    h8 = raytrain_lm.train(load_config(None, [*common, *diloco]), sample=False)
+    gap = h8["val_loss"] / ddp["val_loss"] - 1
+    print(f"val loss: DDP {ddp['val_loss']:.4f}, DiLoCo H=8 {h8['val_loss']:.4f}, gap {gap:.2%}")
+    assert h8["steps"] == ddp["steps"] == 240
+    assert gap < 0.05, gap
 
 
 @pytest.mark.beside

@@ -240,3 +240,43 @@ def test_too_few_groups_wait_then_say_why(cluster, replica_overrides, tmp_path, 
     latest = read_state(latest_complete_checkpoint(run_dir)).step
     assert 0 < latest <= gave_up["step"]
     assert read_ledger(run_dir).tolist() == list(range(latest * GLOBAL_BATCH))
+
+
+def test_diloco_plans_a_drained_group_out_of_the_next_round(
+    cluster, replica_overrides, tmp_path, monkeypatch
+):
+    """`parallel.sync=diloco`, H=4: a spot notice drains a node. Its group says so at the next
+    sync, whose round commits with it; it leaves after that round and the other group plans the
+    next rounds alone, so no round is taken again and nothing is recomputed. Every sequence
+    once, the survivor in one process."""
+    run_dir = tmp_path / "runs" / "diloco-drain"
+    steps = 160
+    overrides = [
+        *replica_overrides,
+        "name=diloco-drain",
+        "parallel.sync=diloco",
+        "diloco.sync_every=4",
+        f"training.max_steps={steps}",
+    ]
+    monkeypatch.setenv(faults.ENV_VAR, "slow-steps:seconds=0.3")
+    run = Background(lambda: raytrain_lm.train(load_config(None, overrides), sample=False))
+    wait_for_event(run_dir, _both_groups_stepped, 300, still_running=run)
+    drained = cluster.drain_node(deadline_s=120)
+    try:
+        left = wait_for_event(
+            run_dir, lambda e: e["event"] == "replica_drained", 60, still_running=run
+        )
+        faults.stop_pacing(run_dir)
+        summary = run.wait(600)
+    finally:  # the cloud takes the machine at its deadline; the next tests need its slot
+        cluster.kill_node(drained)
+
+    assert summary["steps"] == steps and not summary["stopped"]
+    assert read_ledger(run_dir).tolist() == list(range(steps * GLOBAL_BATCH))
+    assert left["step"] % 4 == 0, left  # at a round's end
+    assert not _events(run_dir, "round_retaken"), "the drained group's round was taken again"
+    shrunk = [e for e in _events(run_dir, "replicas_changed") if e["participants"] == 1]
+    assert [e["step"] for e in shrunk] == [left["step"] + 4], shrunk  # the next round, alone
+    starts = _events(run_dir, "replica_start")
+    stayed = {e["group"] for e in starts} - {left["group"]}
+    assert len({e["pid"] for e in starts if e["group"] in stayed}) == 1, "the survivor restarted"

@@ -39,7 +39,7 @@ from torch.distributed import ReduceOp
 
 from raytrain_lm.errors import UserError
 from raytrain_lm.trainer import faults
-from raytrain_lm.trainer.cadence import Cadences
+from raytrain_lm.trainer.cadence import Cadences, Flags
 from raytrain_lm.trainer.plan import learning_rate
 from raytrain_lm.trainer.progress import announce
 from raytrain_lm.trainer.quorum import ByteCounter
@@ -120,6 +120,7 @@ class DilocoWorker(ReplicaWorker):
         self.outer_optimizer.register_step_pre_hook(self._scale_outer_gradients)
         self.every = _round_cadences(self.every)
         self.outer_steps = 0
+        self.leaves_after_round = False  # this group said at the sync that it leaves
 
     @property
     def checkpointed_optimizer(self) -> InnerAndOuter:
@@ -146,6 +147,17 @@ class DilocoWorker(ReplicaWorker):
             summed, committed, first, length = self._sync(None, None, [], 0.0, trained=False)
             if committed:
                 self.joined_round = (summed, first, length)
+
+    def _share_flags(self) -> Flags:
+        """A spot notice is acted on only as this group announced it at a sync (`_sync`), so
+        that the others planned the next round without it; a stop was agreed at the sync."""
+        return Flags(ask=self.leaves_after_round, stop=self.stop_seen)
+
+    def _read_pending(self) -> dict[str, float]:
+        metrics = super()._read_pending()
+        # What one sync costs the link: the number to hold against a link's bandwidth and H.
+        metrics["comm/bytes_per_outer_step"] = self.quorum.bytes.sent / max(1, self.outer_steps)
+        return metrics
 
     def _checkpoint_now(self) -> None:
         """A checkpoint outside a sync (the Lighthouse lost, too few groups): the weights of
@@ -189,8 +201,11 @@ class DilocoWorker(ReplicaWorker):
                 )
                 self.pacer.pace(started)  # slow-steps: every inner step (faults.py)
             stop = float(self.is_chief and self._stop_due())
+            # One request to Ray's control plane per round: a notice that comes in time is
+            # announced at this sync, so the next round is planned without this group.
+            leaving = self.ray.draining_deadline_ms(self.ray.node_id()) is not None
             healed_before = self.healed_at
-            summed, committed, first, length = self._sync(losses, norms, taken, stop)
+            summed, committed, first, length = self._sync(losses, norms, taken, stop, leaving)
             self.watchdog.beat()
             healed = self.healed_at != healed_before  # it was behind: now where they are
             if committed:
@@ -218,7 +233,7 @@ class DilocoWorker(ReplicaWorker):
         optim = self.cfg.optim
         return learning_rate(step, optim.lr, optim.min_lr, optim.warmup_steps, self.decay_steps)
 
-    def _sync(self, losses, norms, taken, stop, trained=True):
+    def _sync(self, losses, norms, taken, stop, leaving=False, trained=True):
         """The outer sync of this group's round: a quorum, the pseudo-gradients averaged
         (torchft's fragment), and beside them the round's losses, the checksum of the
         positions taken, how many groups trained, the stop flag and who trained (roster.py).
@@ -239,7 +254,7 @@ class DilocoWorker(ReplicaWorker):
         length = min(h, self.end_step - first)
         if not trained:
             losses = norms = [torch.zeros((), device=self.device)] * h
-            taken, stop = [], 0.0
+            taken, stop, leaving = [], 0.0, False
         pad = [0.0] * (h - len(losses))
         checksum = position_checksum(np.concatenate(taken)) if taken else [0.0] * 3
         roster = (
@@ -247,7 +262,9 @@ class DilocoWorker(ReplicaWorker):
             if trained
             else [0.0] * SLOTS_PER_PARTICIPANT * self.groups
         )
-        host = [*checksum, float(trained), stop, *roster]
+        leavers = [0.0] * self.groups  # by place in this quorum: who leaves after this round
+        leavers[self.participant] = float(leaving)
+        host = [*checksum, float(trained), stop, *roster, *leavers]
         values = torch.cat(
             [
                 torch.stack(losses).double().reshape(-1),
@@ -303,7 +320,9 @@ class DilocoWorker(ReplicaWorker):
         self.outer_steps += 1
         self._note_membership(first + length)
         self.stop_seen = summed[2 * h + 4] > 0
-        self._note_roster(summed[2 * h + 5 :][: SLOTS_PER_PARTICIPANT * trainers])
+        roster = summed[2 * h + 5 :]
+        self._note_roster(roster[: SLOTS_PER_PARTICIPANT * trainers])
+        self._plan_without_leavers(roster[SLOTS_PER_PARTICIPANT * self.groups :])
         for i in range(length):
             state.step += 1
             state.tokens += self.tokens_per_step
@@ -323,6 +342,22 @@ class DilocoWorker(ReplicaWorker):
         manager.load_state_dict(
             {"step": state.step, "batches_committed": manager.batches_committed()}
         )
+
+    def _plan_without_leavers(self, leavers: list[float]) -> None:
+        """After a committed round, the groups that announced a spot notice leave (after its
+        duties) and the others plan the next round without them: their places in the quorum
+        close up, so the next sync, which the leavers miss, finds every position taken. A
+        leaver is chief no more (the next chief writes the round's checkpoint). When every
+        group leaves, nobody replans: the chief checkpoints as the last group would."""
+        leaving = [i for i in range(self.participants) if leavers[i] > 0]
+        if not leaving or len(leaving) == self.participants or self.participant is None:
+            self.leaves_after_round = bool(leaving) and self.participant in leaving
+            return
+        if self.participant in leaving:
+            self.leaves_after_round, self.participant = True, None
+            return
+        staying = [i for i in range(self.participants) if i not in leaving]
+        self.participant, self.participants = staying.index(self.participant), len(staying)
 
 
 def _round_cadences(every: Cadences) -> Cadences:
