@@ -120,6 +120,7 @@ class DilocoWorker(ReplicaWorker):
         self.outer_optimizer.register_step_pre_hook(self._scale_outer_gradients)
         self.every = _round_cadences(self.every)
         self.outer_steps = 0
+        self.weight_syncs = 0  # syncs that all-reduced the pseudo-gradients
         self.leaves_after_round = False  # this group said at the sync that it leaves
 
     @property
@@ -156,7 +157,7 @@ class DilocoWorker(ReplicaWorker):
     def _read_pending(self) -> dict[str, float]:
         metrics = super()._read_pending()
         # What one sync costs the link: the number to hold against a link's bandwidth and H.
-        metrics["comm/bytes_per_outer_step"] = self.quorum.bytes.sent / max(1, self.outer_steps)
+        metrics["comm/bytes_per_outer_step"] = self.quorum.bytes.sent / max(1, self.weight_syncs)
         return metrics
 
     def _checkpoint_now(self) -> None:
@@ -201,11 +202,8 @@ class DilocoWorker(ReplicaWorker):
                 )
                 self.pacer.pace(started)  # slow-steps: every inner step (faults.py)
             stop = float(self.is_chief and self._stop_due())
-            # One request to Ray's control plane per round: a notice that comes in time is
-            # announced at this sync, so the next round is planned without this group.
-            leaving = self.ray.draining_deadline_ms(self.ray.node_id()) is not None
             healed_before = self.healed_at
-            summed, committed, first, length = self._sync(losses, norms, taken, stop, leaving)
+            summed, committed, first, length = self._sync(losses, norms, taken, stop)
             self.watchdog.beat()
             healed = self.healed_at != healed_before  # it was behind: now where they are
             if committed:
@@ -233,7 +231,7 @@ class DilocoWorker(ReplicaWorker):
         optim = self.cfg.optim
         return learning_rate(step, optim.lr, optim.min_lr, optim.warmup_steps, self.decay_steps)
 
-    def _sync(self, losses, norms, taken, stop, leaving=False, trained=True):
+    def _sync(self, losses, norms, taken, stop, trained=True):
         """The outer sync of this group's round: a quorum, the pseudo-gradients averaged
         (torchft's fragment), and beside them the round's losses, the checksum of the
         positions taken, how many groups trained, the stop flag and who trained (roster.py).
@@ -247,6 +245,9 @@ class DilocoWorker(ReplicaWorker):
         trained_as, healed_before = self.participant, self.healed_at
         if trained:  # else the quorum restore() just formed, which the others are in
             self.participant, self.participants = self.quorum.form()
+        # A spot notice that came by now (also while waiting for the quorum) is announced at
+        # this sync, so that the next round is planned without this group.
+        leaving = trained and self._drained()
         if self.healed_at != healed_before:
             self.fragment.restore_parameters()
             trained = False
@@ -287,6 +288,7 @@ class DilocoWorker(ReplicaWorker):
             if trained:
                 self.fragment.restore_parameters()
             return summed, False, first, length
+        self.weight_syncs += 1  # committed or not, the link carried it
         self.fragment.prepare_sync()
         wanted = position_checksum(np.arange(first * g, (first + length) * g, dtype=np.int64))
         if summed[2 * h : 2 * h + 3] != wanted:
@@ -343,6 +345,23 @@ class DilocoWorker(ReplicaWorker):
             {"step": state.step, "batches_committed": manager.batches_committed()}
         )
 
+    def _drained(self) -> bool:
+        """Whether this group's node is being drained (a spot notice), asked on the cadence of
+        `fault.preemption_check_s` (one request to Ray's control plane)."""
+        if not self.every.signals.due(self.state.step, self.end_step):
+            return False
+        return self.ray.draining_deadline_ms(self.ray.node_id()) is not None
+
+    def _ends_group(self, flags: Flags) -> bool:
+        """As for every-step groups; and a group the others planned out leaves even if its
+        notice was withdrawn meanwhile: they no longer count on it."""
+        if super()._ends_group(flags):
+            return True
+        if self.leaves_after_round:
+            self.leaving = True
+            return True
+        return False
+
     def _plan_without_leavers(self, leavers: list[float]) -> None:
         """After a committed round, the groups that announced a spot notice leave (after its
         duties) and the others plan the next round without them: their places in the quorum
@@ -350,8 +369,14 @@ class DilocoWorker(ReplicaWorker):
         leaver is chief no more (the next chief writes the round's checkpoint). When every
         group leaves, nobody replans: the chief checkpoints as the last group would."""
         leaving = [i for i in range(self.participants) if leavers[i] > 0]
-        if not leaving or len(leaving) == self.participants or self.participant is None:
-            self.leaves_after_round = bool(leaving) and self.participant in leaving
+        if not leaving or self.participant is None:
+            return
+        if len(leaving) == self.participants:  # the chief ends the run as the last group does
+            self.leaves_after_round = True
+            if self.is_chief:
+                self.participants = 1
+            else:
+                self.participant = None
             return
         if self.participant in leaving:
             self.leaves_after_round, self.participant = True, None
