@@ -339,6 +339,10 @@ def run(argv: list[str]) -> int:
         prepared = prepare(cfg.data)
         m = prepared.manifest
         state = "prepared" if prepared.created else "already prepared (nothing to do)"
+        if m.curation is not None and not prepared.created:  # else prepare printed it
+            from raytrain_lm.data.curate.report import curation_table
+
+            print(curation_table(m.curation))
         print(
             f"{state}: {prepared.directory} ({m.splits['train'].tokens:,} train / "
             f"{m.splits['val'].tokens:,} val tokens, {m.documents:,} documents, "

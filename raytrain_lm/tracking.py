@@ -93,8 +93,9 @@ class MLflowTracker:
         self._flush_wait_s = flush_wait_s
         self._pending: list = []  # metrics not yet stored, oldest first
         self._artifacts: list[tuple[str, str | None]] = []  # artifacts that failed to upload
-        self._params: list = []  # params and tags that could not be logged yet
+        self._params: list = []  # params, tags and inputs that could not be logged yet
         self._tags: list = []
+        self._inputs: list = []
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._attempted = threading.Condition(self._lock)
@@ -216,6 +217,14 @@ class MLflowTracker:
         items = [RunTag(k, str(v)[:5000]) for k, v in redact(tags).items() if v is not None]
         self._log_now_or_later("_tags", items)
 
+    def log_dataset(self, dataset: dict[str, str], context: str = "training") -> None:
+        """Logs a dataset input (MLflow's `log_input`: name, digest, source_type, source,
+        schema, profile) now, or when the store is back."""
+        from mlflow.entities import Dataset, DatasetInput, InputTag
+
+        entry = DatasetInput(Dataset(**dataset), tags=[InputTag("mlflow.data.context", context)])
+        self._log_now_or_later("_inputs", [entry])
+
     def _log_now_or_later(self, kind: str, items: list) -> None:
         try:
             self._log_batch(kind, items)
@@ -233,6 +242,8 @@ class MLflowTracker:
             try:
                 if kind == "_params":
                     self.client.log_batch(self.run_id, params=chunk)
+                elif kind == "_inputs":
+                    self.client.log_inputs(self.run_id, datasets=chunk)
                 else:
                     self.client.log_batch(self.run_id, tags=chunk)
             except Exception as exc:  # same params logged by an earlier attempt of this run
@@ -334,12 +345,13 @@ class MLflowTracker:
             self._send_all()
 
     def _unsent(self) -> int:
-        return len(self._pending) + len(self._artifacts) + len(self._params) + len(self._tags)
+        kept = len(self._params) + len(self._tags) + len(self._inputs)
+        return len(self._pending) + len(self._artifacts) + kept
 
     def _send_all(self) -> None:
         sent, error = 0, None
         try:
-            for kind in ("_params", "_tags"):
+            for kind in ("_params", "_tags", "_inputs"):
                 with self._lock:
                     items = list(getattr(self, kind))
                 if items:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -98,6 +99,17 @@ def test_two_worker_run_learns_and_is_tracked(learned_run):
     assert again["steps"] == 40 and again["mlflow_run_id"] == summary["mlflow_run_id"]
     for key in ("train_loss", "val_loss", "tokens_per_s", "checkpoint"):
         assert again[key] == summary[key] and again[key] is not None, key
+    # Its data, an MLflow dataset input (logged once, whatever the restarts): the manifest's
+    # digest and the folder lead back to the exact shards.
+    (data,) = client.get_run(summary["mlflow_run_id"]).inputs.dataset_inputs
+    source = json.loads(data.dataset.source)["uri"]
+    manifest = (Path(source) / "manifest.json").read_bytes()
+    assert data.dataset.digest == hashlib.sha256(manifest).hexdigest()[:32]
+    assert data.dataset.name == f"raytrain-lm-{Path(source).name}"
+    assert [t.value for t in data.tags if t.key == "mlflow.data.context"] == ["training"]
+    profile = json.loads(data.dataset.profile)
+    assert profile["sources"] == ["builtin:python-docs"] and profile["curation"] is None
+    assert profile["tokens"]["train"] == json.loads(manifest)["splits"]["train"]["tokens"]
 
     from raytrain_lm.generate import resolve_checkpoint, sample
 

@@ -9,6 +9,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 
 from raytrain_lm.config.base import _Section, check_storage_location
+from raytrain_lm.config.curate import CurateConfig
 
 
 class TokenizerConfig(_Section):
@@ -38,6 +39,7 @@ class DataConfig(_Section):
     shuffle_window_shards: int = Field(8, ge=1, description="shards shuffled together per window")
     seed: int = 1337
     tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
+    curate: CurateConfig = Field(default_factory=CurateConfig)
 
     @field_validator("cache_dir", "prepared")
     @classmethod

@@ -59,6 +59,8 @@ class Manifest:
     inputs: list[dict]
     documents: int
     replaced_bytes: int
+    # data.curate's settings and what each stage did, by source (curate/report.py); None: off
+    curation: dict | None = None
     format: int = FORMAT_VERSION
     layout: str = "token-stream: documents joined by eot_id, cut into rows of row_tokens"
 
@@ -84,6 +86,33 @@ class Manifest:
         if manifest.format != FORMAT_VERSION:
             raise UserError(f"{path}: manifest format {manifest.format}, expected {FORMAT_VERSION}")
         return manifest
+
+
+def mlflow_dataset(directory: str, sources: list[str] | None = None) -> dict[str, str]:
+    """The prepared dataset as an MLflow dataset input: named by its fingerprint, the
+    manifest's SHA-256 as digest (the shards' checksums are in it), the folder as source, and
+    as profile the sources, counts and what curation removed, so that a model in MLflow leads
+    back to its exact shards. `sources`: what the config named (None: the manifest's inputs)."""
+    raw = storage.read_bytes(storage.join(directory, MANIFEST_FILE))
+    manifest = json.loads(raw)
+    scheme = directory.split("://", 1)[0] if "://" in directory else "local"
+    profile = {
+        "sources": sources or sorted({i["input"] for i in manifest["inputs"]}),
+        "documents": manifest["documents"],
+        "tokens": {name: split["tokens"] for name, split in manifest["splits"].items()},
+        "tokenizer": manifest["tokenizer_kind"],
+        "vocab_size": manifest["vocab_size"],
+        "curation": manifest.get("curation"),
+    }
+    schema = {"columns": [{"name": TOKENS_COLUMN, "type": f"list<{manifest['dtype']}>"}]}
+    return {
+        "name": f"raytrain-lm-{manifest['fingerprint']}",
+        "digest": hashlib.sha256(raw).hexdigest()[:32],
+        "source_type": {"gs": "gcs", "file": "local"}.get(scheme, scheme),
+        "source": json.dumps({"uri": str(directory)}),
+        "schema": json.dumps(schema),
+        "profile": json.dumps(profile),
+    }
 
 
 def file_sha256(path: str | Path) -> str:

@@ -37,25 +37,29 @@ import shutil
 import sys
 import tempfile
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
 
 from raytrain_lm import storage
 from raytrain_lm.config import DataConfig
+from raytrain_lm.data.cap import under_cap, within_cap
 from raytrain_lm.data.checks import check_inputs, given_tokenizer
+from raytrain_lm.data.curate.dedup import REMOVED_FILE, find_duplicates
+from raytrain_lm.data.curate.report import curation_table, manifest_curation
+from raytrain_lm.data.curate.stages import KEPT, RECORD, merge, tally
 from raytrain_lm.data.manifest import MANIFEST_FILE, Manifest, SplitInfo
-from raytrain_lm.data.pipeline import ERROR_COLUMN, ordered_dataset
+from raytrain_lm.data.pipeline import ordered_dataset
 from raytrain_lm.data.prepare_tasks import (
+    INDEX_COLUMNS,
     METADATA_COLUMNS,
     ROW_TOKENS,
     STOP_FILE,
+    duplicate_keys,
     group_alphabet,
     read_group,
-    split_error,
     tokenize_group,
     write_shards,
 )
@@ -106,6 +110,8 @@ def _fingerprint(
         "max_source_bytes": cfg.max_source_bytes,
         "shard_tokens": cfg.shard_tokens,
     }
+    if cfg.curate.enabled:  # off: the fingerprint of data prepared before curation existed
+        key["curate"] = cfg.curate.model_dump(mode="json")
     if held_out_only:
         key["held_out_only"] = True
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
@@ -118,7 +124,7 @@ def _documents(inputs: list[InputFile], udf, tell_parallel: bool = False, **fn_k
     import ray
 
     items = [
-        {"group": n, "uri": i.uri, "size": i.size, "mtime_ns": i.mtime_ns}
+        {"group": n, "uri": i.uri, "size": i.size, "mtime_ns": i.mtime_ns, "source": i.source}
         for n, i in enumerate(inputs)
     ]
     # One read task per ~READ_TASK_BYTES of input, at least a few per CPU: a task per small
@@ -139,69 +145,29 @@ def _rows(dataset) -> Iterator[dict]:
         yield from batch.to_pylist()
 
 
-def _within_cap(batches: Iterable[pa.Table], limit: int | None) -> Iterator[pa.Table]:
-    """The document rows of `batches`, in order, while their bytes fit under `limit` (the
-    first document always: the cap never makes an empty corpus). An error row reached on the
-    way raises the UserError it carries. `_under_cap` is the same rule on whole groups."""
-    total = 0
-    for batch in batches:
-        rows, error = split_error(batch)
-        sizes = rows.column("bytes").to_numpy()
-        take = len(sizes)
-        if limit is not None:
-            fits = int((np.cumsum(sizes) + total <= limit).sum())
-            take = fits if fits or total else min(1, take)
-        if take:
-            yield rows.slice(0, take)
-            total += int(sizes[:take].sum())
-        if take < len(sizes) or (limit is not None and total >= limit):
-            return  # documents are never blank, so nothing more fits
-        if error is not None:
-            raise UserError(error)
-
-
-@dataclass(frozen=True)
-class _Cut:
-    """How much of one group the byte cap keeps: all of it (room None), or its documents
-    while their cumulative bytes fit in `room`, and at least one when `first`."""
-
-    room: int | None
-    first: bool  # no document was kept before this group
-
-    def keeps(self, index: int, end: int) -> bool:
-        """Whether the document `index` of the group, whose bytes end at `end`, is kept."""
-        return self.room is None or end <= self.room or (self.first and index == 0)
-
-
-def _under_cap(rows: Iterable[dict], limit: int | None) -> Iterator[tuple[dict, _Cut]]:
-    """Groups' metadata rows in order, each with what the byte cap keeps of it, while the cap
-    leaves room (the rule of `_within_cap`: whole documents in order, the first always). An
-    error row reached on the way raises the UserError it carries."""
-    total = 0
-    for row in rows:
-        if limit is not None and total + row["bytes"] > limit:
-            yield row, _Cut(limit - total, total == 0)
-            return  # this group's documents do not all fit: nothing after them does
-        yield row, _Cut(None, total == 0)
-        total += row["bytes"]
-        if limit is not None and total >= limit:
-            return
-        if row[ERROR_COLUMN] is not None:
-            raise UserError(row[ERROR_COLUMN])
-
-
-def _capped_texts(inputs: list[InputFile], cfg: DataConfig, limit: int | None):
+def _capped_texts(
+    inputs: list[InputFile], cfg: DataConfig, limit: int | None, duplicates: str | None = None
+):
     """Document texts in order while their bytes fit under `limit` (for a BPE sample)."""
-    documents = _documents(inputs, read_group, text_field=cfg.text_field)
-    for rows in _within_cap(documents.iter_batches(batch_format="pyarrow", batch_size=None), limit):
+    documents = _documents(
+        inputs, read_group, text_field=cfg.text_field, curate=cfg.curate, duplicates=duplicates
+    )
+    for rows in within_cap(documents.iter_batches(batch_format="pyarrow", batch_size=None), limit):
         yield from rows.column("text").to_pylist()
 
 
-def _capped_alphabet(inputs: list[InputFile], cfg: DataConfig) -> CharTokenizer:
+def _capped_alphabet(
+    inputs: list[InputFile], cfg: DataConfig, duplicates: str | None
+) -> CharTokenizer:
     """A char tokenizer for the characters of the documents under `data.max_source_bytes`."""
     chars: set[str] = set()
-    rows = _rows(_documents(inputs, group_alphabet, text_field=cfg.text_field))
-    for row, cut in _under_cap(rows, cfg.max_source_bytes):
+    rows = _rows(
+        _documents(
+            inputs, group_alphabet, text_field=cfg.text_field, curate=cfg.curate,
+            duplicates=duplicates,
+        )
+    )  # fmt: skip
+    for row, cut in under_cap(rows, cfg.max_source_bytes):
         for index, end, new in zip(row["new_at"], row["new_end"], row["new_chars"], strict=True):
             if cut.keeps(index, end):
                 chars.update(new)
@@ -209,7 +175,7 @@ def _capped_alphabet(inputs: list[InputFile], cfg: DataConfig) -> CharTokenizer:
 
 
 def _build_tokenizer(
-    cfg: DataConfig, inputs: list[InputFile], given: Tokenizer | None
+    cfg: DataConfig, inputs: list[InputFile], given: Tokenizer | None, duplicates: str | None
 ) -> Tokenizer:
     tok = cfg.tokenizer
     if given is not None:
@@ -217,18 +183,21 @@ def _build_tokenizer(
     if tok.kind == "byte":
         return ByteTokenizer()
     if tok.kind == "char":
-        return _capped_alphabet(inputs, cfg)
+        return _capped_alphabet(inputs, cfg, duplicates)
     limit = min(BPE_SAMPLE_BYTES, cfg.max_source_bytes or BPE_SAMPLE_BYTES)
-    return train_bpe(cfg, inputs, limit)
+    return train_bpe(cfg, inputs, limit, duplicates)
 
 
 def train_bpe(
-    cfg: DataConfig, inputs: list[InputFile] | None = None, sample_bytes: int = BPE_SAMPLE_BYTES
+    cfg: DataConfig,
+    inputs: list[InputFile] | None = None,
+    sample_bytes: int = BPE_SAMPLE_BYTES,
+    duplicates: str | None = None,
 ) -> BPETokenizer:
     """Byte-level BPE trained on the first `sample_bytes` of the configured inputs (the one
     pass whose text reaches the driver: a bounded sample, as training BPE needs it)."""
     inputs = inputs if inputs is not None else expand_sources(cfg.sources)
-    sample = list(_capped_texts(inputs, cfg, sample_bytes))
+    sample = list(_capped_texts(inputs, cfg, sample_bytes, duplicates))
     if not any(t.strip() for t in sample):
         raise UserError(f"empty corpus: no text in {', '.join(cfg.sources)}")
     return BPETokenizer.train(sample, cfg.tokenizer.vocab_size)
@@ -242,10 +211,16 @@ class _Stream:
     tokens: int = 0
     documents: int = 0
     replaced: int = 0
+    curation: dict = field(default_factory=dict)  # curate.stages' tally, by source index
 
 
 def _tokenize_inputs(
-    cfg: DataConfig, inputs: list[InputFile], tokenizer: Tokenizer, pieces: str, bar
+    cfg: DataConfig,
+    inputs: list[InputFile],
+    tokenizer: Tokenizer,
+    pieces: str,
+    bar,
+    duplicates: str | None,
 ) -> _Stream:
     """Phase 1: tasks tokenize and write pieces; the metadata rows, cut by the byte cap, say
     which pieces (and how much of the last one) make the stream."""
@@ -258,23 +233,32 @@ def _tokenize_inputs(
         tokenizer_json=tokenizer.to_json(),
         pieces=pieces,
         doc_index=limit is not None,
+        curate=cfg.curate,
+        duplicates=duplicates,
     )
     rows = _rows(dataset)
     stream = _Stream()
     try:
-        for row, cut in _under_cap(rows, limit):
+        for row, cut in under_cap(rows, limit):
             if row["write_error"]:
                 raise UserError(row["write_error"])
             tokens, documents = row["tokens"], row["documents"]
             replaced, unknown = row["replaced"], row["unknown"]
+            curation = json.loads(row["curation"]) if row["curation"] else {}
             if cut.room is not None and documents:
                 # The one group the cap falls in: its per-document index says where to cut.
                 index = np.load(io.BytesIO(storage.read_bytes(f"{row['piece']}.index.npy")))
-                ends = np.cumsum(index[:, 0])
+                records = index[:, len(INDEX_COLUMNS) - len(RECORD) :]
+                kept = np.flatnonzero(records[:, RECORD.index("rule")] == KEPT)
+                ends = np.cumsum(index[kept, 0])
                 documents = sum(cut.keeps(i, int(e)) for i, e in enumerate(ends))
-                tokens = int(index[documents - 1, 1]) if documents else 0
-                replaced = int(index[:documents, 2].sum())
-                unknown = int(index[:documents, 3].sum())
+                # Read: the documents before the first kept one that does not fit (cap.py).
+                read = kept[documents] if documents < len(kept) else len(index)
+                tokens = int(index[kept[documents - 1], 1]) if documents else 0
+                replaced = int(index[:read, 2].sum())
+                unknown = int(index[:read, 3].sum())
+                curation = tally(records[:read]) if row["curation"] else {}
+            merge(stream.curation, curation)
             if unknown:  # only with a given alphabet: one built here covers the text
                 raise UserError(
                     f"{unknown} characters of {', '.join(cfg.sources)} are not in the char "
@@ -420,7 +404,12 @@ def _run(
 ) -> tuple[Manifest, Tokenizer]:
     from tqdm import tqdm
 
-    tokenizer = _build_tokenizer(cfg, inputs, given)
+    duplicates = None
+    if cfg.curate.dedup:  # first: every later pass (tokenizer, stream) reads without them
+        keys = _documents(inputs, duplicate_keys, text_field=cfg.text_field, curate=cfg.curate)
+        find_duplicates(keys, cfg.curate, pieces)
+        duplicates = storage.join(pieces, REMOVED_FILE)
+    tokenizer = _build_tokenizer(cfg, inputs, given, duplicates)
     dtype = token_dtype(tokenizer.vocab_size)
     # Progress goes to stdout so that stderr carries nothing but problems.
     bar = tqdm(
@@ -432,7 +421,7 @@ def _run(
         file=sys.stdout,
     )
     try:
-        stream = _tokenize_inputs(cfg, inputs, tokenizer, pieces, bar)
+        stream = _tokenize_inputs(cfg, inputs, tokenizer, pieces, bar, duplicates)
     finally:
         bar.close()
     total = stream.tokens
@@ -465,7 +454,10 @@ def _run(
         inputs=[i.identity() for i in inputs],
         documents=stream.documents,
         replaced_bytes=stream.replaced,
+        curation=manifest_curation(cfg, stream.curation),
     )
+    if manifest.curation is not None:
+        print(curation_table(manifest.curation))
     return manifest, tokenizer
 
 

@@ -18,7 +18,7 @@ import re
 import sys
 import sysconfig
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pyarrow as pa
@@ -64,6 +64,7 @@ class InputFile:
     uri: str
     size: int = 0
     mtime_ns: int = 0
+    source: int = 0  # which of `data.sources` named it (curation counts per source)
 
     def identity(self) -> dict:
         if self.uri == BUILTIN_DOCS:
@@ -161,7 +162,11 @@ def expand_source(source: str) -> list[InputFile]:
 
 def expand_sources(sources: list[str]) -> list[InputFile]:
     """Every source's inputs, in the order the sources are given."""
-    return [item for source in sources for item in expand_source(source)]
+    return [
+        replace(item, source=n)
+        for n, source in enumerate(sources)
+        for item in expand_source(source)
+    ]
 
 
 def _decode(data: bytes) -> tuple[str, int]:

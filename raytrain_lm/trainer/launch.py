@@ -19,7 +19,7 @@ import yaml
 
 from raytrain_lm.config import RunConfig, flatten, read_written_config, to_yaml
 from raytrain_lm.data.checks import check_data_matches_model, check_inputs
-from raytrain_lm.data.manifest import verify_shards
+from raytrain_lm.data.manifest import mlflow_dataset, verify_shards
 from raytrain_lm.data.prepare import prepare
 from raytrain_lm.errors import UserError
 from raytrain_lm.huggingface import apply_init_from
@@ -115,6 +115,9 @@ def train(
         record = {"tracking_uri": tracker.uri, "mlflow_run_id": tracker.run_id}
         run_dir.write_text(json.dumps(record), TRACKING_FILE)
         tracker.log_params(flatten(cfg))
+        tracker.log_dataset(
+            mlflow_dataset(data_dir, None if cfg.data.prepared else cfg.data.sources)
+        )
         run_dir.write_text(load_tokenizer(data_dir).to_json(), TOKENIZER_FILE)
         with run_dir.local_files(CONFIG_FILE, TOKENIZER_FILE) as (config, tokenizer):
             tracker.log_artifact(config)

@@ -1,0 +1,1 @@
+"""`data.curate`: the stages `prepare` applies to each document before tokenizing."""

@@ -1,0 +1,196 @@
+"""Exact and near-duplicate removal (`data.curate.exact_dedup`, `data.curate.near_dedup`): a pass
+of Ray Data stages over the documents that PII scrubbing and the quality rules kept, run before
+tokenizing. It writes which documents are duplicates to one file beside the pieces, which the
+reading tasks then consult (prepare_tasks.read_group).
+
+1. Keys (a map over the groups of inputs): per document, its id (input index and ordinal, the
+   same in every pass), its source, a hash of its normalised text (exact) and the hashes of its
+   MinHash signature's LSH bands (near). Signatures are rensa's (Rust; measured about 100x
+   datasketch's speed here) over word n-grams of the text lowercased, without punctuation,
+   digits as 0.
+2. Exact: documents grouped by (scope, hash); all but the lowest id of a group are duplicates.
+3. Near: documents grouped by (scope, band, band hash); every bucket of two or more links its
+   documents; the connected components of those links are clusters, of which all but the lowest
+   id are near-duplicates (datatrove's MinHash stages do the same, with the clustering in one
+   task).
+4. One Ray task takes the duplicates of both and writes the file: sorted ids and the rule.
+
+Every decision depends on documents' ids and content only: the same removals whatever the block
+count or the number of nodes.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import io
+import re
+import unicodedata
+
+import numpy as np
+import pyarrow as pa
+
+from raytrain_lm import storage
+from raytrain_lm.config.curate import CurateConfig, NearDedupConfig
+
+REMOVED_FILE = "duplicates.npy"
+_PUNCTUATION = re.compile(r"[^\w\s]|_", re.UNICODE)
+_DIGITS = re.compile(r"\d")
+_SPACES = re.compile(r"\s+")
+
+
+def _hash64(data: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
+
+
+def exact_key(text: str) -> int:
+    """A 64-bit hash of the text with Unicode normalised (NFC) and runs of whitespace as one
+    space, trimmed: documents equal up to spacing share it."""
+    normal = _SPACES.sub(" ", unicodedata.normalize("NFC", text)).strip()
+    return _hash64(normal.encode("utf-8"))
+
+
+def shingles(text: str, n: int) -> list[str]:
+    """The word n-grams of the text simplified as FineWeb's deduplication does (lowercase, no
+    punctuation, digits as 0, whitespace collapsed); a shorter text is one shingle."""
+    simple = _DIGITS.sub("0", _PUNCTUATION.sub(" ", unicodedata.normalize("NFKC", text).lower()))
+    words = simple.split()
+    if len(words) <= n:
+        return [" ".join(words)]
+    return [" ".join(words[i : i + n]) for i in range(len(words) - n + 1)]
+
+
+def band_keys(text: str, cfg: NearDedupConfig) -> list[int]:
+    """The 64-bit hash of each LSH band of the text's MinHash signature."""
+    from rensa import RMinHash
+
+    minhash = RMinHash(num_perm=cfg.bands * cfg.rows_per_band, seed=cfg.seed)
+    minhash.update(shingles(text, cfg.ngram))
+    rows = np.asarray(minhash.digest(), dtype=np.uint32).reshape(cfg.bands, cfg.rows_per_band)
+    return [_hash64(band.tobytes()) for band in rows]
+
+
+def _scope(sources: np.ndarray, scope: str) -> np.ndarray:
+    return sources if scope == "source" else np.zeros_like(sources)
+
+
+def keys_table(docs: np.ndarray, sources: np.ndarray, texts: list[str], cfg: CurateConfig):
+    """The keys of the kept documents of one group (stage 1)."""
+    near = cfg.near_dedup
+    exact = [exact_key(t) for t in texts] if cfg.exact_dedup.enabled else [0] * len(texts)
+    bands = [band_keys(t, near) for t in texts] if near.enabled else [[]] * len(texts)
+    return pa.table(
+        {
+            "doc": pa.array(docs, type=pa.int64()),
+            "exact_scope": pa.array(_scope(sources, cfg.exact_dedup.scope), type=pa.int64()),
+            "near_scope": pa.array(_scope(sources, near.scope), type=pa.int64()),
+            "exact": pa.array(exact, type=pa.int64()),
+            "bands": pa.array(bands, type=pa.list_(pa.int64())),
+        }
+    )
+
+
+def _exact_group(group: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    docs = np.sort(group["doc"])
+    return {"doc": docs[1:]}  # the lowest id stays
+
+
+def _bucket_rows(batch: pa.Table) -> pa.Table:
+    """One row per (document, band): its scope, the band's index and hash."""
+    lengths = np.array([len(b) for b in batch.column("bands").to_pylist()], dtype=np.int64)
+    flat = batch.column("bands").combine_chunks().flatten()
+    index = np.concatenate([np.arange(n) for n in lengths] or [np.zeros(0, np.int64)])
+    return pa.table(
+        {
+            "near_scope": np.repeat(batch.column("near_scope").to_numpy(), lengths),
+            "band": index.astype(np.int64),
+            "bucket": flat,
+            "doc": np.repeat(batch.column("doc").to_numpy(), lengths),
+        }
+    )
+
+
+def _bucket_links(group: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    docs = np.unique(group["doc"])
+    return {"a": np.full(len(docs) - 1, docs[0], dtype=np.int64), "b": docs[1:]}
+
+
+def find_duplicates(keys, cfg: CurateConfig, directory: str) -> dict[str, int]:
+    """Stages 2-4 on the keys dataset; writes REMOVED_FILE under `directory` and returns how
+    many documents each rule removed (the tally counts them per source later)."""
+    import ray
+
+    exact_refs: list = []
+    link_refs: list = []
+    if cfg.exact_dedup.enabled:
+        exact = keys.groupby(["exact_scope", "exact"]).map_groups(
+            _exact_group, batch_format="numpy"
+        )
+        exact_refs = exact.to_arrow_refs()
+    if cfg.near_dedup.enabled:
+        rows = keys.map_batches(_bucket_rows, batch_format="pyarrow", batch_size=None)
+        links = rows.groupby(["near_scope", "band", "bucket"]).map_groups(
+            _bucket_links, batch_format="numpy"
+        )
+        link_refs = links.to_arrow_refs()
+    path = storage.join(directory, REMOVED_FILE)
+    resolve = ray.remote(num_cpus=1)(_resolve_duplicates)
+    return ray.get(resolve.remote(path, len(exact_refs), *exact_refs, *link_refs))
+
+
+def _resolve_duplicates(path: str, n_exact: int, *tables: pa.Table) -> dict[str, int]:
+    """Stage 4 (a Ray task): exact duplicates, then the clusters of the near-duplicate links
+    (connected components; each keeps its lowest id), into one sorted file of (id, rule)."""
+    from scipy.sparse import coo_matrix
+    from scipy.sparse.csgraph import connected_components
+
+    from raytrain_lm.data.curate.stages import EXACT_DUPLICATE, NEAR_DUPLICATE
+
+    exact_tables, link_tables = tables[:n_exact], tables[n_exact:]
+    exact = np.unique(
+        np.concatenate(
+            [t.column("doc").to_numpy() for t in exact_tables] or [np.zeros(0, np.int64)]
+        )
+    )
+    near = np.zeros(0, dtype=np.int64)
+    if link_tables:
+        a = np.concatenate(
+            [t.column("a").to_numpy() for t in link_tables] or [np.zeros(0, np.int64)]
+        )
+        b = np.concatenate(
+            [t.column("b").to_numpy() for t in link_tables] or [np.zeros(0, np.int64)]
+        )
+        if len(a):
+            nodes, inverse = np.unique(np.concatenate([a, b]), return_inverse=True)
+            a_i, b_i = inverse[: len(a)], inverse[len(a) :]
+            graph = coo_matrix((np.ones(len(a)), (a_i, b_i)), shape=(len(nodes), len(nodes)))
+            _, labels = connected_components(graph, directed=False)
+            lowest = np.full(labels.max() + 1, np.iinfo(np.int64).max)
+            np.minimum.at(lowest, labels, nodes)
+            near = nodes[nodes != lowest[labels]]
+    near = np.setdiff1d(near, exact)
+    docs = np.concatenate([exact, near])
+    rules = np.concatenate(
+        [np.full(len(exact), EXACT_DUPLICATE), np.full(len(near), NEAR_DUPLICATE)]
+    ).astype(np.int64)
+    order = np.argsort(docs, kind="stable")
+    buffer = io.BytesIO()
+    np.save(buffer, np.stack([docs[order], rules[order]], axis=1).astype(np.int64))
+    storage.write_bytes(path, buffer.getvalue())
+    return {"exact_duplicate": len(exact), "near_duplicate": len(near)}
+
+
+@functools.lru_cache(maxsize=2)
+def load_duplicates(path: str) -> tuple[np.ndarray, np.ndarray]:
+    """(sorted ids, their rule codes) from REMOVED_FILE; read once per process."""
+    table = np.load(io.BytesIO(storage.read_bytes(path)))
+    return table[:, 0].copy(), table[:, 1].copy()
+
+
+def duplicate_rules(docs: np.ndarray, path: str) -> np.ndarray:
+    """For each id of `docs`, its duplicate rule code, or -1."""
+    ids, rules = load_duplicates(path)
+    if not len(ids):
+        return np.full(len(docs), -1, dtype=np.int64)
+    where = np.minimum(np.searchsorted(ids, docs), len(ids) - 1)
+    return np.where(ids[where] == docs, rules[where], -1)
