@@ -191,6 +191,7 @@ CODE = "def f():\n    return 1\n"
 
 def _curated(tmp_path: Path, cache: str, **curate) -> DataConfig:
     everything = {
+        "sample_removed": 2,
         "pii": {"enabled": True},
         "quality": {"enabled": True},
         "exact_dedup": {"enabled": True},
@@ -254,6 +255,20 @@ def test_prepare_removes_and_reports_per_rule_and_source(tmp_path, capsys, monke
     assert code == {"in": [1, len(CODE)], "pii": [0, 0, 0], "removed": {}, "kept": [1, len(CODE)]}
     printed = capsys.readouterr().out
     assert "removed by exact_duplicate: 15 documents" in printed
+    # The first 2 removed documents of each rule, for a human to look at, beside the shards.
+    samples = {
+        path.stem: [json.loads(line) for line in path.read_text().splitlines()]
+        for path in (Path(prepared.directory) / "removed").iterdir()
+    }
+    assert {rule: len(found) for rule, found in samples.items()} == {
+        "exact_duplicate": 2,
+        "near_duplicate": 2,
+        "words": 1,
+        "mean_word_length": 1,
+    }
+    assert samples["words"] == [{"source": str(tmp_path / "in" / "prose"), "text": "Too short."}]
+    originals = {" ".join(text.split()) for text in planted["kept"]}
+    assert all(" ".join(e["text"].split()) in originals for e in samples["exact_duplicate"])
     assert "removed by near_duplicate: 10 documents" in printed
 
     original = prepare_module.ordered_dataset

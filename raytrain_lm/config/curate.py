@@ -101,6 +101,9 @@ class NearDedupConfig(_Section):
 
 
 class CurateConfig(_Section):
+    sample_removed: int = Field(
+        0, ge=0, description="the first N removed documents of each rule, in removed/<rule>.jsonl"
+    )
     pii: PiiConfig = Field(default_factory=PiiConfig)
     quality: QualityConfig = Field(default_factory=QualityConfig)
     exact_dedup: ExactDedupConfig = Field(default_factory=ExactDedupConfig)

@@ -49,6 +49,7 @@ from raytrain_lm.data.cap import under_cap, within_cap
 from raytrain_lm.data.checks import check_inputs, given_tokenizer
 from raytrain_lm.data.curate.dedup import REMOVED_FILE, find_duplicates
 from raytrain_lm.data.curate.report import curation_table, manifest_curation
+from raytrain_lm.data.curate.samples import RemovedSample
 from raytrain_lm.data.curate.stages import KEPT, RECORD, merge, tally
 from raytrain_lm.data.manifest import MANIFEST_FILE, Manifest, SplitInfo
 from raytrain_lm.data.pipeline import ordered_dataset
@@ -212,6 +213,7 @@ class _Stream:
     documents: int = 0
     replaced: int = 0
     curation: dict = field(default_factory=dict)  # curate.stages' tally, by source index
+    sample: RemovedSample | None = None  # the first removed documents of each rule
 
 
 def _tokenize_inputs(
@@ -237,7 +239,7 @@ def _tokenize_inputs(
         duplicates=duplicates,
     )
     rows = _rows(dataset)
-    stream = _Stream()
+    stream = _Stream(sample=RemovedSample(cfg.curate.sample_removed, cfg.sources))
     try:
         for row, cut in under_cap(rows, limit):
             if row["write_error"]:
@@ -245,6 +247,7 @@ def _tokenize_inputs(
             tokens, documents = row["tokens"], row["documents"]
             replaced, unknown = row["replaced"], row["unknown"]
             curation = json.loads(row["curation"]) if row["curation"] else {}
+            read = None  # documents of the group in the stream's reach: all
             if cut.room is not None and documents:
                 # The one group the cap falls in: its per-document index says where to cut.
                 index = np.load(io.BytesIO(storage.read_bytes(f"{row['piece']}.index.npy")))
@@ -259,6 +262,7 @@ def _tokenize_inputs(
                 unknown = int(index[:read, 3].sum())
                 curation = tally(records[:read]) if row["curation"] else {}
             merge(stream.curation, curation)
+            stream.sample.add(row["removed_sample"], curation, read)
             if unknown:  # only with a given alphabet: one built here covers the text
                 raise UserError(
                     f"{unknown} characters of {', '.join(cfg.sources)} are not in the char "
@@ -442,6 +446,7 @@ def _run(
     splits = _cut_into_shards(
         stream, n_val, cfg.shard_tokens, shards_dir, storage.is_uri(shards_dir), dtype
     )
+    stream.sample.write(shards_dir)
     manifest = Manifest(
         fingerprint=fingerprint,
         tokenizer_kind=tokenizer.kind,

@@ -19,6 +19,7 @@ import pyarrow.parquet as pq
 from raytrain_lm import storage
 from raytrain_lm.config.curate import CurateConfig
 from raytrain_lm.data.curate.dedup import duplicate_rules, keys_table
+from raytrain_lm.data.curate.samples import write_sample
 from raytrain_lm.data.curate.stages import KEPT, RECORD, Judged, judge, tally
 from raytrain_lm.data.manifest import TOKENS_COLUMN, ShardInfo
 from raytrain_lm.data.pipeline import ERROR_COLUMN
@@ -46,8 +47,9 @@ METADATA_COLUMNS = (
     ERROR_COLUMN,  # a problem with an input, met after `documents` documents
     "write_error",  # the piece could not be written
     "curation",  # JSON: what curation did to the group's documents (curate.stages.tally)
+    "removed_sample",  # where the first removed documents of each rule are (curate/samples.py)
 )
-_STRING_COLUMNS = ("piece", ERROR_COLUMN, "write_error", "curation")
+_STRING_COLUMNS = ("piece", ERROR_COLUMN, "write_error", "curation", "removed_sample")
 # Beside a piece (with the byte cap), one row per document read, kept or removed: its
 # UTF-8 bytes, the end of its tokens in the piece (a removed one's: the previous end), its
 # replaced bytes, its unknown characters, then its curation record (curate.stages.RECORD).
@@ -65,8 +67,8 @@ def read_group(
     input's documents, and the curation record of each: its source index, bytes as read, the
     rule that removed it or KEPT, e-mails and IPs replaced). `duplicates`: the file of
     duplicates that curate/dedup.py found, which removes those documents too. A removed
-    document stays a row, without its text, so that its counts travel; `kept_documents`
-    drops those rows.
+    document stays a row (with no bytes for the cap), so that its counts and a sample of it
+    travel; `kept_documents` drops those rows.
 
     A UserError (an input that cannot be read, a JSON line without the text field) ends the
     group with one more row that carries its message (see `pipeline`); the driver raises it
@@ -112,8 +114,6 @@ def read_group(
         duplicate = duplicate_rules(np.asarray(docs, dtype=np.int64), duplicates)
         rule[:] = np.where((rule == KEPT) & (duplicate >= 0), duplicate, rule)
     kept = rule == KEPT
-    if not kept.all():
-        texts = [text if keep else "" for text, keep in zip(texts, kept, strict=True)]
     return pa.table(
         {
             "text": pa.array(texts, type=pa.large_string()),
@@ -211,7 +211,7 @@ def tokenize_group(
     """
     row: dict = dict.fromkeys(METADATA_COLUMNS, 0)
     row |= {"group": batch.column("group")[0].as_py(), "piece": None}
-    row |= {ERROR_COLUMN: None, "write_error": None, "curation": None}
+    row |= {ERROR_COLUMN: None, "write_error": None, "curation": None, "removed_sample": None}
     if not _stopped(pieces):
         documents, row[ERROR_COLUMN] = split_error(
             read_group(batch, text_field, curate, duplicates)
@@ -219,6 +219,10 @@ def tokenize_group(
         records = curation_records(documents)
         if curate is not None and curate.enabled:
             row["curation"] = json.dumps(tally(records))
+            if curate.sample_removed:
+                row["removed_sample"] = write_sample(
+                    documents, records, curate.sample_removed, pieces, row["group"]
+                )
         kept_mask = records[:, RECORD.index("rule")] == KEPT
         kept = documents.filter(pa.array(kept_mask))
         if kept.num_rows and not _stopped(pieces):

@@ -31,7 +31,7 @@ EXACT_DUPLICATE, NEAR_DUPLICATE = len(RULES), len(RULES) + 1
 
 @dataclass(frozen=True)
 class Judged:
-    text: str  # scrubbed when PII scrubbing is on; "" when removed
+    text: str  # scrubbed when PII scrubbing is on
     rule: int  # index into RULES of the rule that removed it, or KEPT
     bytes: int  # UTF-8 bytes of the (scrubbed) text, removed or not
     emails: int = 0
@@ -56,7 +56,7 @@ def judge(text: str, uri: str, cfg: CurateConfig) -> Judged:
     if cfg.quality.enabled and not is_code(uri, cfg):
         failed = first_failed_rule(text, cfg.quality)
         if failed is not None:
-            return Judged("", RULES.index(failed), size, emails, ips)
+            return Judged(text, RULES.index(failed), size, emails, ips)
     return Judged(text, KEPT, size, emails, ips)
 
 
