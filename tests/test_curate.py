@@ -189,20 +189,20 @@ def _corpus(folder: Path) -> dict[str, int]:
 CODE = "def f():\n    return 1\n"
 
 
-def _curated(tmp_path: Path, cache: str, **curate) -> DataConfig:
+def _curated(tmp_path: Path, cache: str, cap: int | None = None) -> DataConfig:
     everything = {
         "sample_removed": 2,
         "pii": {"enabled": True},
         "quality": {"enabled": True},
         "exact_dedup": {"enabled": True},
-        "near_dedup": {"enabled": True, "scope": "global"},
+        "near_dedup": {"enabled": True},
     }
     return DataConfig(
         sources=[str(tmp_path / "in" / "prose"), str(tmp_path / "in" / "code")],
         cache_dir=str(tmp_path / cache),
         shard_tokens=1024,
-        max_source_bytes=None,
-        curate=everything | curate,
+        max_source_bytes=cap,
+        curate=everything,
     )
 
 
@@ -231,8 +231,8 @@ def test_prepare_removes_and_reports_per_rule_and_source(tmp_path, capsys, monke
     go, each time the later copy; the two junk documents go under the rule each fails; the 4
     documents with an e-mail and an IP address keep their text with both replaced; the code
     file skips the prose rules. The stream is exactly the kept documents in input order, the
-    manifest and the printed table count them, and one read task or four give the same
-    shards and counts."""
+    manifest and the printed table count them. With a byte cap that ends the stream inside a
+    file, one read task or four give the same shards and counts."""
     from raytrain_lm.data import prepare as prepare_module
     from raytrain_lm.data.prepare import prepare
 
@@ -271,10 +271,31 @@ def test_prepare_removes_and_reports_per_rule_and_source(tmp_path, capsys, monke
     assert all(" ".join(e["text"].split()) in originals for e in samples["exact_duplicate"])
     assert "removed by near_duplicate: 10 documents" in printed
 
+    cap = prose["kept"][1] // 3
+    capped = prepare(_curated(tmp_path, "capped", cap), progress=False)
     original = prepare_module.ordered_dataset
     monkeypatch.setattr(prepare_module, "ordered_dataset", lambda items, blocks: original(items, 1))
-    one_task = prepare(_curated(tmp_path, "data-one-task"), progress=False)
-    shards = [s.sha256 for split in prepared.manifest.splits.values() for s in split.shards]
+    one_task = prepare(_curated(tmp_path, "capped-one-task", cap), progress=False)
+    shards = [s.sha256 for split in capped.manifest.splits.values() for s in split.shards]
     assert [s.sha256 for split in one_task.manifest.splits.values() for s in split.shards] == shards
-    assert one_task.manifest.curation == prepared.manifest.curation
-    assert Path(one_task.directory).name == Path(prepared.directory).name  # same fingerprint
+    assert one_task.manifest.curation == capped.manifest.curation
+    assert Path(one_task.directory).name == Path(capped.directory).name  # same fingerprint
+    counts = capped.manifest.curation["sources"]
+    assert list(counts) == [str(tmp_path / "in" / "prose")]  # the code file is past the cap
+    assert 0 < counts[str(tmp_path / "in" / "prose")]["kept"][1] <= cap
+
+
+def test_a_corpus_curation_empties_is_refused(tmp_path):
+    """Every document junk (quality) and the duplicate stages on: the stages run on nothing
+    and `prepare` refuses the empty corpus in one line."""
+    from raytrain_lm.data.prepare import prepare
+    from raytrain_lm.errors import UserError
+
+    junk = ["Too short.", "!!! ???", "- a\n- b"]
+    (tmp_path / "junk.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in junk) + "\n")
+    curate = {key: {"enabled": True} for key in ("quality", "exact_dedup", "near_dedup")}
+    cfg = DataConfig(
+        sources=[str(tmp_path / "junk.jsonl")], cache_dir=str(tmp_path / "data"), curate=curate
+    )
+    with pytest.raises(UserError, match="empty corpus"):
+        prepare(cfg, progress=False)

@@ -46,6 +46,7 @@ class Cut:
 
     room: int | None
     first: bool  # no document was kept before this group
+    last: bool = False  # the stream ends in this group: the cap is reached in it
 
     def keeps(self, index: int, end: int) -> bool:
         """Whether the document `index` of the group, whose bytes end at `end`, is kept."""
@@ -53,18 +54,19 @@ class Cut:
 
 
 def under_cap(rows: Iterable[dict], limit: int | None) -> Iterator[tuple[dict, Cut]]:
-    """Groups' metadata rows in order, each with what the byte cap keeps of it, up to the
-    group holding the first kept document that does not fit (the rule of `within_cap`: whole
-    documents in order, the first always). A full cap still passes on the groups that follow
-    while they hold no kept document: curation counts the documents it removed up to that
-    first document that does not fit, wherever the groups' borders fall. An error row reached
-    while the cap leaves room raises the UserError it carries."""
+    """Groups' metadata rows in order, each with what the byte cap keeps of it, while the cap
+    leaves room (the rule of `within_cap`: whole documents in order, the first always); the
+    group in which the stream ends is marked `last`. An error row reached on the way raises
+    the UserError it carries."""
     total = 0
     for row in rows:
         if limit is not None and total + row["bytes"] > limit:
-            yield row, Cut(limit - total, total == 0)
+            yield row, Cut(limit - total, total == 0, last=True)
             return  # this group's documents do not all fit: nothing after them does
-        yield row, Cut(None, total == 0)
+        full = limit is not None and total + row["bytes"] >= limit
+        yield row, Cut(None, total == 0, last=full)
         total += row["bytes"]
-        if row[ERROR_COLUMN] is not None and (limit is None or total < limit):
+        if full:
+            return
+        if row[ERROR_COLUMN] is not None:
             raise UserError(row[ERROR_COLUMN])

@@ -113,6 +113,7 @@ def _fingerprint(
     }
     if cfg.curate.enabled:  # off: the fingerprint of data prepared before curation existed
         key["curate"] = cfg.curate.model_dump(mode="json")
+        key["source_of_inputs"] = [i.source for i in inputs]  # scopes and counts follow them
     if held_out_only:
         key["held_out_only"] = True
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
@@ -248,16 +249,16 @@ def _tokenize_inputs(
             replaced, unknown = row["replaced"], row["unknown"]
             curation = json.loads(row["curation"]) if row["curation"] else {}
             read = None  # documents of the group in the stream's reach: all
-            if cut.room is not None and documents:
-                # The one group the cap falls in: its per-document index says where to cut.
+            if cut.last and documents:
+                # The stream ends in this group: its per-document index says at which of its
+                # documents (the cap may cut it), and curation counts up to that one.
                 index = np.load(io.BytesIO(storage.read_bytes(f"{row['piece']}.index.npy")))
                 records = index[:, len(INDEX_COLUMNS) - len(RECORD) :]
                 kept = np.flatnonzero(records[:, RECORD.index("rule")] == KEPT)
                 ends = np.cumsum(index[kept, 0])
                 documents = sum(cut.keeps(i, int(e)) for i, e in enumerate(ends))
-                # Read: the documents before the first kept one that does not fit (cap.py).
-                read = kept[documents] if documents < len(kept) else len(index)
-                tokens = int(index[kept[documents - 1], 1]) if documents else 0
+                read = kept[documents - 1] + 1 if documents else 0
+                tokens = int(index[read - 1, 1]) if documents else 0
                 replaced = int(index[:read, 2].sum())
                 unknown = int(index[:read, 3].sum())
                 curation = tally(records[:read]) if row["curation"] else {}

@@ -128,14 +128,23 @@ def read_group(
 
 def duplicate_keys(batch: pa.Table, text_field: str, curate: CurateConfig) -> pa.Table:
     """map_batches: a group of inputs -> the deduplication keys of the documents that PII
-    scrubbing and the quality rules kept (curate/dedup.py, stage 1)."""
-    documents = kept_documents(split_error(read_group(batch, text_field, curate))[0])
-    return keys_table(
-        documents.column("doc").to_numpy(),
-        documents.column("curate_source").to_numpy(),
-        documents.column("text").to_pylist(),
-        curate,
-    )
+    scrubbing and the quality rules kept (curate/dedup.py, stage 1). Each input is read on its
+    own: an input that cannot be read ends only its own documents, never those of the inputs
+    after it in the group, so the keys do not depend on how inputs are grouped."""
+    tables = []
+    for n in range(batch.num_rows):
+        documents = kept_documents(
+            split_error(read_group(batch.slice(n, 1), text_field, curate))[0]
+        )
+        tables.append(
+            keys_table(
+                documents.column("doc").to_numpy(),
+                documents.column("curate_source").to_numpy(),
+                documents.column("text").to_pylist(),
+                curate,
+            )
+        )
+    return pa.concat_tables(tables)
 
 
 def kept_documents(documents: pa.Table) -> pa.Table:

@@ -7,9 +7,9 @@ reading tasks then consult (prepare_tasks.read_group).
    same in every pass), its source, a hash of its normalised text (exact) and the hashes of its
    MinHash signature's LSH bands (near). Signatures are rensa's (Rust; measured about 100x
    datasketch's speed here) over word n-grams of the text lowercased, without punctuation,
-   digits as 0.
+   numbers as 0.
 2. Exact: documents grouped by (scope, hash); all but the lowest id of a group are duplicates.
-3. Near: documents grouped by (scope, band, band hash); every bucket of two or more links its
+3. Near, on the documents the exact stage kept: documents grouped by (scope, band, band hash); every bucket of two or more links its
    documents; the connected components of those links are clusters, of which all but the lowest
    id are near-duplicates (datatrove's MinHash stages do the same, with the clustering in one
    task).
@@ -34,8 +34,9 @@ from raytrain_lm import storage
 from raytrain_lm.config.curate import CurateConfig, NearDedupConfig
 
 REMOVED_FILE = "duplicates.npy"
+EXACT_FILE = "exact-duplicates.npy"
 _PUNCTUATION = re.compile(r"[^\w\s]|_", re.UNICODE)
-_DIGITS = re.compile(r"\d")
+_NUMBERS = re.compile(r"\d+")
 _SPACES = re.compile(r"\s+")
 
 
@@ -52,20 +53,26 @@ def exact_key(text: str) -> int:
 
 def shingles(text: str, n: int) -> list[str]:
     """The word n-grams of the text simplified as FineWeb's deduplication does (lowercase, no
-    punctuation, digits as 0, whitespace collapsed); a shorter text is one shingle."""
-    simple = _DIGITS.sub("0", _PUNCTUATION.sub(" ", unicodedata.normalize("NFKC", text).lower()))
+    punctuation, each number as 0, whitespace collapsed); a shorter text is one shingle."""
+    simple = _NUMBERS.sub("0", _PUNCTUATION.sub(" ", unicodedata.normalize("NFKC", text).lower()))
     words = simple.split()
+    if not words:
+        return []
     if len(words) <= n:
         return [" ".join(words)]
     return [" ".join(words[i : i + n]) for i in range(len(words) - n + 1)]
 
 
 def band_keys(text: str, cfg: NearDedupConfig) -> list[int]:
-    """The 64-bit hash of each LSH band of the text's MinHash signature."""
+    """The 64-bit hash of each LSH band of the text's MinHash signature; none for a text
+    without words (all punctuation), which would otherwise match every other such text."""
     from rensa import RMinHash
 
+    grams = shingles(text, cfg.ngram)
+    if not grams:
+        return []
     minhash = RMinHash(num_perm=cfg.bands * cfg.rows_per_band, seed=cfg.seed)
-    minhash.update(shingles(text, cfg.ngram))
+    minhash.update(grams)
     rows = np.asarray(minhash.digest(), dtype=np.uint32).reshape(cfg.bands, cfg.rows_per_band)
     return [_hash64(band.tobytes()) for band in rows]
 
@@ -117,66 +124,91 @@ def _bucket_links(group: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 def find_duplicates(keys, cfg: CurateConfig, directory: str) -> dict[str, int]:
     """Stages 2-4 on the keys dataset; writes REMOVED_FILE under `directory` and returns how
-    many documents each rule removed (the tally counts them per source later)."""
+    many documents each rule removed (the tally counts them per source later). The near stage
+    sees only the documents the exact stage kept, as if it ran on its output."""
     import ray
 
-    exact_refs: list = []
+    # Computed once for both stages (they would each run the reading pass again), and
+    # counted: Ray Data cannot group an empty dataset.
+    keys = keys.materialize()
+    partitions = max(1, 2 * int(ray.cluster_resources().get("CPU", 1)))
+    exact_path = storage.join(directory, EXACT_FILE) if cfg.exact_dedup.enabled else None
+    if exact_path is not None:
+        refs = []
+        if keys.count():
+            exact = keys.groupby(["exact_scope", "exact"], num_partitions=partitions)
+            refs = exact.map_groups(_exact_group, batch_format="numpy").to_arrow_refs()
+        write = ray.remote(num_cpus=1)(_write_exact)
+        ray.get(write.remote(exact_path, *refs))
     link_refs: list = []
-    if cfg.exact_dedup.enabled:
-        exact = keys.groupby(["exact_scope", "exact"]).map_groups(
-            _exact_group, batch_format="numpy"
-        )
-        exact_refs = exact.to_arrow_refs()
     if cfg.near_dedup.enabled:
-        rows = keys.map_batches(_bucket_rows, batch_format="pyarrow", batch_size=None)
-        links = rows.groupby(["near_scope", "band", "bucket"]).map_groups(
-            _bucket_links, batch_format="numpy"
-        )
-        link_refs = links.to_arrow_refs()
+        survivors = keys
+        if exact_path is not None:
+            survivors = keys.map_batches(
+                _without_exact, fn_kwargs={"path": exact_path}, batch_format="pyarrow"
+            )
+        rows = survivors.map_batches(_bucket_rows, batch_format="pyarrow", batch_size=None)
+        rows = rows.materialize()
+        if rows.count():
+            links = rows.groupby(["near_scope", "band", "bucket"], num_partitions=partitions)
+            link_refs = links.map_groups(_bucket_links, batch_format="numpy").to_arrow_refs()
     path = storage.join(directory, REMOVED_FILE)
     resolve = ray.remote(num_cpus=1)(_resolve_duplicates)
-    return ray.get(resolve.remote(path, len(exact_refs), *exact_refs, *link_refs))
+    return ray.get(resolve.remote(path, exact_path, *link_refs))
 
 
-def _resolve_duplicates(path: str, n_exact: int, *tables: pa.Table) -> dict[str, int]:
-    """Stage 4 (a Ray task): exact duplicates, then the clusters of the near-duplicate links
-    (connected components; each keeps its lowest id), into one sorted file of (id, rule)."""
+def _column(tables: tuple[pa.Table, ...], name: str) -> np.ndarray:
+    """A column of blocks concatenated; blocks of an empty dataset may have no columns."""
+    parts = [t.column(name).to_numpy() for t in tables if t.num_rows]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
+def _save(path: str, array: np.ndarray) -> None:
+    buffer = io.BytesIO()
+    np.save(buffer, array.astype(np.int64))
+    storage.write_bytes(path, buffer.getvalue())
+
+
+def _load(path: str) -> np.ndarray:
+    return np.load(io.BytesIO(storage.read_bytes(path)))
+
+
+def _write_exact(path: str, *tables: pa.Table) -> None:
+    """Stage 2's end (a Ray task): the exact duplicates' ids, sorted, in one file."""
+    _save(path, np.unique(_column(tables, "doc")))
+
+
+def _without_exact(batch: pa.Table, path: str) -> pa.Table:
+    return batch.filter(pa.array(~np.isin(batch.column("doc").to_numpy(), _load(path))))
+
+
+def _resolve_duplicates(path: str, exact_path: str | None, *links: pa.Table) -> dict[str, int]:
+    """Stage 4 (a Ray task): the clusters of the near-duplicate links (connected components;
+    each keeps its lowest id) and the exact duplicates, into one sorted file of (id, rule)."""
     from scipy.sparse import coo_matrix
     from scipy.sparse.csgraph import connected_components
 
     from raytrain_lm.data.curate.stages import EXACT_DUPLICATE, NEAR_DUPLICATE
 
-    exact_tables, link_tables = tables[:n_exact], tables[n_exact:]
-    exact = np.unique(
-        np.concatenate(
-            [t.column("doc").to_numpy() for t in exact_tables] or [np.zeros(0, np.int64)]
-        )
-    )
+    exact = _load(exact_path) if exact_path is not None else np.zeros(0, dtype=np.int64)
+    a, b = _column(links, "a"), _column(links, "b")
     near = np.zeros(0, dtype=np.int64)
-    if link_tables:
-        a = np.concatenate(
-            [t.column("a").to_numpy() for t in link_tables] or [np.zeros(0, np.int64)]
+    if len(a):
+        nodes, inverse = np.unique(np.concatenate([a, b]), return_inverse=True)
+        graph = coo_matrix(
+            (np.ones(len(a)), (inverse[: len(a)], inverse[len(a) :])),
+            shape=(len(nodes), len(nodes)),
         )
-        b = np.concatenate(
-            [t.column("b").to_numpy() for t in link_tables] or [np.zeros(0, np.int64)]
-        )
-        if len(a):
-            nodes, inverse = np.unique(np.concatenate([a, b]), return_inverse=True)
-            a_i, b_i = inverse[: len(a)], inverse[len(a) :]
-            graph = coo_matrix((np.ones(len(a)), (a_i, b_i)), shape=(len(nodes), len(nodes)))
-            _, labels = connected_components(graph, directed=False)
-            lowest = np.full(labels.max() + 1, np.iinfo(np.int64).max)
-            np.minimum.at(lowest, labels, nodes)
-            near = nodes[nodes != lowest[labels]]
-    near = np.setdiff1d(near, exact)
+        _, labels = connected_components(graph, directed=False)
+        lowest = np.full(labels.max() + 1, np.iinfo(np.int64).max)
+        np.minimum.at(lowest, labels, nodes)
+        near = nodes[nodes != lowest[labels]]
     docs = np.concatenate([exact, near])
     rules = np.concatenate(
         [np.full(len(exact), EXACT_DUPLICATE), np.full(len(near), NEAR_DUPLICATE)]
-    ).astype(np.int64)
+    )
     order = np.argsort(docs, kind="stable")
-    buffer = io.BytesIO()
-    np.save(buffer, np.stack([docs[order], rules[order]], axis=1).astype(np.int64))
-    storage.write_bytes(path, buffer.getvalue())
+    _save(path, np.stack([docs[order], rules[order]], axis=1).reshape(-1, 2))
     return {"exact_duplicate": len(exact), "near_duplicate": len(near)}
 
 

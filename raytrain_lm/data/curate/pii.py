@@ -1,7 +1,10 @@
 """PII scrubbing (`data.curate.pii`): e-mail addresses and IP addresses replaced by
 placeholders. The patterns are datatrove's PIIFormatter's kind: an address of a plausible
-shape; an IP candidate is kept only when Python's `ipaddress` parses it, so version numbers
-such as 3.11.4 stay, and so do IPv6-shaped words without a digit (`a::b`)."""
+shape. An IP candidate is kept only when Python's `ipaddress` parses it, so 3.11.4 and
+256.1.1.1 stay; an IPv6 one needs three groups and a digit, so code's `a[1::2]`, `a::b` and
+`std::vector` stay. Known false positives: four-part version numbers (2.0.0.1) are valid IPv4
+addresses, and code's `x@obj.attr` (matrix products) looks like an e-mail unless the object is
+`self`, `cls` or `this`."""
 
 from __future__ import annotations
 
@@ -18,8 +21,10 @@ IPV6 = re.compile(r"(?<![\w:])(?:[0-9A-Fa-f]{0,4}:){2,7}[0-9A-Fa-f]{0,4}(?![\w:]
 
 
 def _address(candidate: str) -> bool:
-    if ":" in candidate and not any(c.isdigit() for c in candidate):
-        return False  # "a::b", "be::ef": names in code and prose, not addresses
+    if ":" in candidate:
+        groups = [g for g in candidate.split(":") if g]
+        if len(groups) < 3 or not any(c.isdigit() for c in candidate):
+            return False  # "1::2" (a slice), "a::b": code and prose, not addresses
     try:
         ipaddress.ip_address(candidate)
     except ValueError:
@@ -27,10 +32,21 @@ def _address(candidate: str) -> bool:
     return True
 
 
+_CODE_OBJECTS = ("self.", "cls.", "this.")
+
+
 def scrub(text: str, cfg: PiiConfig) -> tuple[str, int, int]:
     """(`text` with e-mail and IP addresses replaced, how many e-mails, how many IPs)."""
-    text, emails = EMAIL.subn(cfg.email_placeholder, text)
-    ips = 0
+    emails = ips = 0
+
+    def replace_email(match: re.Match) -> str:
+        nonlocal emails
+        if match.group(0).split("@", 1)[1].startswith(_CODE_OBJECTS):
+            return match.group(0)
+        emails += 1
+        return cfg.email_placeholder
+
+    text = EMAIL.sub(replace_email, text)
 
     def replace_ip(match: re.Match) -> str:
         nonlocal ips

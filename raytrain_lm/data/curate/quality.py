@@ -6,7 +6,8 @@ fails, in RULES order, so a removed document is counted once, under one rule.
 
 Words are the document's whitespace-separated tokens with surrounding punctuation stripped
 (Gopher tokenizes with a word tokenizer; on prose the two counts differ little), lines are its
-non-blank lines, paragraphs its blocks between blank lines.
+non-blank lines, paragraphs its blocks between blank lines. Stop words are counted distinct and
+regardless of case; repeated characters and the top n-gram's are shares of the whole text.
 """
 
 from __future__ import annotations
@@ -54,13 +55,13 @@ def _repeats(parts: list[str]) -> tuple[int, int]:
 
 
 def _top_ngram_chars(words: list[str], n: int) -> int:
-    """Characters the most frequent word n-gram covers (its length times its count), when it
-    occurs more than once."""
+    """Characters the most frequent word n-gram covers: its length (words joined by spaces)
+    times its count, as datatrove's GopherRepetitionFilter counts them."""
     if len(words) < n:
         return 0
-    grams = Counter(tuple(words[i : i + n]) for i in range(len(words) - n + 1))
+    grams = Counter(" ".join(words[i : i + n]) for i in range(len(words) - n + 1))
     gram, count = grams.most_common(1)[0]
-    return count * sum(len(w) for w in gram) if count > 1 else 0
+    return count * len(gram)
 
 
 def first_failed_rule(text: str, cfg: QualityConfig) -> str | None:
@@ -73,9 +74,9 @@ def first_failed_rule(text: str, cfg: QualityConfig) -> str | None:
     mean = sum(len(w) for w in words) / n if n else 0.0
     if not cfg.min_mean_word_length <= mean <= cfg.max_mean_word_length:
         return "mean_word_length"
-    symbols = text.count("#") + sum(text.count(e) for e in ELLIPSES)
-    if symbols > cfg.max_symbol_word_ratio * max(1, len(raw)):
-        return "symbols"
+    ellipses = sum(text.count(e) for e in ELLIPSES)
+    if max(text.count("#"), ellipses) > cfg.max_symbol_word_ratio * max(1, len(raw)):
+        return "symbols"  # either symbol alone over the ratio, as Gopher counts them
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     n_lines = max(1, len(lines))
     if sum(line.startswith(BULLETS) for line in lines) > cfg.max_bullet_line_fraction * n_lines:
@@ -85,8 +86,8 @@ def first_failed_rule(text: str, cfg: QualityConfig) -> str | None:
     alpha = sum(any(c.isalpha() for c in token) for token in raw)
     if alpha < cfg.min_alpha_word_fraction * max(1, len(raw)):
         return "alpha_words"
-    if sum(w.lower() in STOP_WORDS for w in words) < cfg.min_stop_words:
-        return "stop_words"
+    if len(STOP_WORDS.intersection(w.lower() for w in words)) < cfg.min_stop_words:
+        return "stop_words"  # distinct stop words
     chars = max(1, len(text))
     repeated, repeated_chars = _repeats(lines)
     if repeated > cfg.max_duplicate_line_fraction * n_lines:
@@ -99,9 +100,8 @@ def first_failed_rule(text: str, cfg: QualityConfig) -> str | None:
         return "duplicate_paragraphs"
     if repeated_chars > cfg.max_duplicate_paragraph_char_fraction * chars:
         return "duplicate_paragraph_chars"
-    word_chars = max(1, sum(len(w) for w in words))
     for size, limit in sorted(cfg.max_top_ngram_char_fraction.items()):
-        if _top_ngram_chars(words, size) > limit * word_chars:
+        if _top_ngram_chars(words, size) > limit * chars:
             return "top_ngram"
     if sum(line.endswith(TERMINAL) for line in lines) < cfg.min_punctuated_line_fraction * n_lines:
         return "punctuated_lines"
