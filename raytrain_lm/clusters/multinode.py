@@ -71,7 +71,15 @@ def _start_node(start: Callable[[], Any], attempts: int = 3) -> Any:
 class LocalCluster:
     """A Ray head plus `workers` single-slot worker nodes, connected to this process."""
 
-    def __init__(self, workers: int = 3, head_cpus: int = 2, cpus_per_node: int = 1):
+    def __init__(
+        self,
+        workers: int = 3,
+        head_cpus: int = 2,
+        cpus_per_node: int = 1,
+        node_ip: str | None = None,
+    ):
+        """`node_ip`: the address every node here registers with (Ray's guess if None), so
+        that nodes elsewhere (another network namespace) can join them."""
         import ray
         from ray.cluster_utils import Cluster
 
@@ -81,6 +89,7 @@ class LocalCluster:
         # node loss the survivors' process-group teardown cannot finish, so don't wait 30 s.
         os.environ.setdefault("TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S", "3")
         self.cpus_per_node = cpus_per_node
+        self.node_ip = {"node_ip_address": node_ip} if node_ip else {}
         self.cluster = Cluster(initialize_head=False)
         port = free_port()  # another Ray on this machine may hold 8265
         self.api_server = f"http://127.0.0.1:{port}"
@@ -91,10 +100,11 @@ class LocalCluster:
                     include_dashboard=True,  # Ray Train V2 polls the state API
                     dashboard_port=port,
                     _system_config=FAST_HEALTH_CHECKS,
+                    **self.node_ip,
                 )
             )
         self.nodes = [self.add_node() for _ in range(workers)]
-        ray.init(address=self.cluster.address)
+        ray.init(address=self.cluster.address, _node_ip_address=node_ip)
 
     @property
     def address(self) -> str:
@@ -114,7 +124,9 @@ class LocalCluster:
     def add_node(self):
         with naming_api_server(self.api_server):
             node = _start_node(
-                lambda: self.cluster.add_node(num_cpus=self.cpus_per_node, resources={SLOT: 1})
+                lambda: self.cluster.add_node(
+                    num_cpus=self.cpus_per_node, resources={SLOT: 1}, **self.node_ip
+                )
             )
         if hasattr(self, "nodes"):
             self.nodes.append(node)

@@ -60,19 +60,93 @@ class LighthouseLost(RuntimeError):
         super().__init__(f"the torchft Lighthouse at {address} does not answer")
 
 
-def lighthouse_answers(timeout_s: float = 3.0) -> bool:
-    """Whether something listens at the Lighthouse's address (a TCP connect)."""
+def lighthouse_answers(address: str | None = None, timeout_s: float = 3.0) -> bool:
+    """Whether something listens at the Lighthouse's address (a TCP connect); `address`:
+    the one this group uses (NodeAddresses.lighthouse), else the one Ray Train handed out."""
     import socket
     from urllib.parse import urlsplit
 
-    address = urlsplit(os.environ.get(LIGHTHOUSE_ENV, ""))
-    if not address.hostname or not address.port:
+    parts = urlsplit(address or os.environ.get(LIGHTHOUSE_ENV, ""))
+    if not parts.hostname or not parts.port:
         return True  # not known here: assume it is there
     try:
-        socket.create_connection((address.hostname, address.port), timeout=timeout_s).close()
+        socket.create_connection((parts.hostname, parts.port), timeout=timeout_s).close()
         return True
     except OSError:
         return False
+
+
+def resolves_to_loopback(host: str) -> bool:
+    """Whether `host` (a name or an IP) resolves to a loopback address, as an image's
+    /etc/hosts makes of its own hostname (127.0.0.1 here, 127.0.1.1 on Debian's defaults)."""
+    import ipaddress
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError:
+        return False
+    return any(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos)
+
+
+def reachable_lighthouse(address: str, node_ip: str, head_ip: str | None, is_loopback=None) -> str:
+    """The Lighthouse's address as a group on the node with `node_ip` can reach it.
+
+    The Lighthouse advertises `http://<its hostname>:<port>`, and Ray Train's TorchftConfig
+    hands that to every worker. Where the hostname resolves to loopback, only the Lighthouse's
+    own node can reach it: elsewhere the host becomes `head_ip` (Ray Train runs the Lighthouse
+    on the head; it listens on every interface). Same node, or a hostname that resolves to a
+    real address: unchanged."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(address)
+    if not parts.hostname or not head_ip or node_ip == head_ip:
+        return address
+    if not (is_loopback or resolves_to_loopback)(parts.hostname):
+        return address
+    host = f"[{head_ip}]" if ":" in head_ip else head_ip
+    port = f":{parts.port}" if parts.port else ""
+    return parts._replace(netloc=f"{host}{port}").geturl()
+
+
+def interface_with(ip: str, interfaces: dict[str, list[Any]]) -> str | None:
+    """The name of the interface holding `ip`, in `psutil.net_if_addrs()`'s shape."""
+    for name, addresses in interfaces.items():
+        if any(a.address.split("%")[0] == ip for a in addresses):
+            return name
+    return None
+
+
+class NodeAddresses:
+    """What this group advertises to the other groups: its Ray node's IP, not its hostname.
+
+    torchft and gloo name a process by `socket.gethostname()`: the Manager's address (which the
+    Lighthouse hands to the other groups), the Lighthouse's own (above), and gloo's default
+    device, which binds the address the hostname resolves to. Where that is loopback (an
+    /etc/hosts entry), groups on other nodes reach nothing, or themselves. Ray already knows an
+    address every node reaches: the node IP it registered with (MASTER_ADDR, this group's
+    store, is that too). So the Manager advertises it, the Lighthouse is reached at the head's,
+    and gloo is pointed at the interface that holds it (GLOO_SOCKET_IFNAME, unless set).
+    TORCHFT_LIGHTHOUSE itself is left as Ray Train set it: the groups name the run's segment
+    after it (replicas.py), which must read the same on every node."""
+
+    def __init__(self):
+        import socket
+
+        import ray
+
+        self.node_ip = ray.util.get_node_ip_address()
+        gcs_host = ray.get_runtime_context().gcs_address.rpartition(":")[0].strip("[]")
+        self.hostname = f"[{self.node_ip}]" if ":" in self.node_ip else self.node_ip
+        self.lighthouse = reachable_lighthouse(
+            os.environ.get(LIGHTHOUSE_ENV, ""), self.node_ip, gcs_host or None
+        )
+        if "GLOO_SOCKET_IFNAME" not in os.environ and resolves_to_loopback(socket.gethostname()):
+            import psutil
+
+            interface = interface_with(self.node_ip, psutil.net_if_addrs())
+            if interface is not None:
+                os.environ["GLOO_SOCKET_IFNAME"] = interface
 
 
 _MANAGER_LOG = logging.getLogger("torchft.manager")
@@ -124,6 +198,7 @@ class Quorum:
         pg = ProcessGroupGloo(timeout=timeout) if device.type == "cpu" else ProcessGroupNCCL()
         self.min_groups = cfg.scaling.min_size
         self.wait_s = cfg.replicas.min_workers_wait_s
+        self.addresses = NodeAddresses()  # before the process group's first gloo device
         self.manager = Manager(
             pg=pg,
             load_state_dict=load,
@@ -136,6 +211,8 @@ class Quorum:
             rank=0,
             world_size=1,
             replica_id=f"raytrain_lm_{group}",
+            lighthouse_addr=self.addresses.lighthouse or None,
+            hostname=self.addresses.hostname,
             checkpoint_transport=PGTransport(pg, timeout=timeout, device=device),
             init_sync=False,  # every group builds the same weights from the seed
         )
@@ -154,8 +231,8 @@ class Quorum:
                 # torchft keeps the failed attempt and raises it again at every later call;
                 # forgetting it is what lets a new attempt be made (torchft 0.2 has no API).
                 self.manager._quorum_future = None
-                if not lighthouse_answers():
-                    raise LighthouseLost(os.environ.get(LIGHTHOUSE_ENV, "?")) from None
+                if not lighthouse_answers(self.addresses.lighthouse):
+                    raise LighthouseLost(self.addresses.lighthouse or "?") from None
                 waited = time.monotonic() - waited_from
                 if waited > self.wait_s:
                     raise TooFewReplicas(
