@@ -18,12 +18,12 @@ target is the highest of the runs' best val losses (or `--target`): all of them 
 time to it counts from the start of training (both groups started; Ray's and the groups'
 start-up are not counted) to the evaluation that reaches it, interpolated linearly in time from
 the evaluation before. Every-step sync runs last and is stopped once it reaches the target
-(`--full`: to the end). The model is small and the batch tiny (256 tokens a step) so that, on
-these CPU cores, a step's compute is a fraction of its all-reduce over the link, as a GPU
-step's is over a WAN; docs/benchmarks.md has the figures and why.
+(`--full`: to the end). The model (0.83M parameters) and batch (256 tokens a step) are small
+so that each run takes minutes on these CPU cores; a group's compute per step (tens of ms) is
+then a fraction of an every-step all-reduce over the link (0.7 s), as a GPU step's is over a
+WAN. docs/benchmarks.md has the figures.
 
-    .venv/bin/python benchmarks/diloco_slow_link.py               # as root; about 13 minutes
-    .venv/bin/python benchmarks/diloco_slow_link.py --bucketize   # one flat all-reduce per sync
+    .venv/bin/python benchmarks/diloco_slow_link.py               # as root; about 9 minutes
     .venv/bin/python benchmarks/diloco_slow_link.py --steps 48 --configs diloco:8 every  # smoke
 
 Root is needed for the namespace and the TUN devices. Writes
@@ -256,7 +256,7 @@ def main() -> None:
         "every-step last, so that it can stop at the target",
     )
     p.add_argument("--steps", type=int, default=512)
-    p.add_argument("--batch", type=int, default=16, help="global batch, in sequences of 64 tokens")
+    p.add_argument("--batch", type=int, default=4, help="global batch, in sequences of 64 tokens")
     p.add_argument("--n-embd", type=int, default=128)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--eval-every", type=int, default=16)
@@ -266,20 +266,11 @@ def main() -> None:
     p.add_argument("--delay-ms", type=float, default=50, help="one way, each direction")
     p.add_argument("--rate-mbit", type=float, default=100, help="each direction")
     p.add_argument("--mtu", type=int, default=1500)
-    p.add_argument(
-        "--bucketize",
-        action="store_true",
-        help="DiLoCo syncs in one flat all-reduce (torchft's TORCHFT_USE_BUCKETIZATION), "
-        "not one per parameter tensor",
-    )
     p.add_argument("--keep", action="store_true", help="keep the runs (printed) after the end")
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/diloco_slow_link.json"))
     args = p.parse_args()
     for config in args.configs:
         parse_config(config)  # refused before anything starts
-    if args.bucketize:
-        # Read by torchft's DiLoCo in the workers, which inherit it from the nodes started here.
-        os.environ["TORCHFT_USE_BUCKETIZATION"] = "True"
 
     # SIGTERM (a CI timeout, `kill`) ends like Ctrl-C: through the finally blocks below.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -293,8 +284,13 @@ def main() -> None:
         nonlocal cluster
         link.kill_inside()  # the far node first: it would wait for a head that went
         if cluster is not None:
+            # Ray leaves its session's logs in /tmp/ray; this cluster's go with the run's
+            # files (--keep keeps both)
+            session = cluster.cluster.head_node.get_session_dir_path()
             cluster.shutdown()
             cluster = None
+            if not args.keep:
+                shutil.rmtree(session, ignore_errors=True)
         link.close()
 
     atexit.register(close)  # also when this process ends before the finally below runs
