@@ -201,9 +201,15 @@ class DilocoWorker(ReplicaWorker):
                 norms.append(norm)
                 taken.append(positions[mine].copy())
                 self.watchdog.beat()
-                faults.maybe_fire(
-                    self.spec.fault, "kill-in-round", first + i + 1, self.group, self.run_dir
-                )
+                if self.participants > 1:  # a death at a sync someone else sees (faults.py)
+                    faults.maybe_fire(
+                        self.spec.fault,
+                        "kill-in-round",
+                        first + i + 1,
+                        self.group,
+                        self.run_dir,
+                        from_step_on=True,
+                    )
                 self.pacer.pace(started)  # slow-steps: every inner step (faults.py)
             stop = float(self.is_chief and self._stop_due())
             healed_before = self.healed_at

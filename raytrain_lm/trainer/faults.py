@@ -22,7 +22,9 @@
   is at `step` or later (once per group; any group without `rank`).
 
 - `kill-in-round:step=12:rank=1`: under `parallel.sync=diloco`, that replica group kills its
-  own process just after that inner step, between two outer syncs (once).
+  own process just after that inner step, between two outer syncs (once). A group training
+  alone waits for the first such step in a round shared with another group: a slow start of
+  the others would otherwise make the death one nobody sees at a sync.
 
 Several at once are joined with `+`: `slow-steps:seconds=0.1+kill-while-healing`.
 
@@ -97,14 +99,22 @@ def targets(fault: Fault | Faults | None, point: str, step: int) -> bool:
 
 
 def maybe_fire(
-    fault: Fault | Faults | None, point: str, step: int | None, rank: int, run_dir: RunDir
+    fault: Fault | Faults | None,
+    point: str,
+    step: int | None,
+    rank: int,
+    run_dir: RunDir,
+    from_step_on: bool = False,
 ) -> None:
+    """Kills this process at `point` of `step` on `rank`, once per run. `from_step_on`: at the
+    first call at or after the fault's step (the caller decides when it is eligible)."""
     fault = find(fault, point)
-    if fault is None:
+    if fault is None or fault.rank not in (None, rank):
         return
-    if fault.step not in (None, step) or fault.rank not in (None, rank):
+    late = from_step_on and step is not None and fault.step is not None and step > fault.step
+    if fault.step not in (None, step) and not late:
         return
-    marker = f"fault-fired-{point}-{step}-{rank}"
+    marker = f"fault-fired-{point}-{fault.step if from_step_on else step}-{rank}"
     if run_dir.exists(marker):
         return
     run_dir.write_text("fired\n", marker)
