@@ -39,7 +39,8 @@ original over word 5-grams is computed exactly, for the ground truth.
    the grouping and clustering (`find_duplicates`), against datatrove's stage 1 and stages
    2-3. CPU seconds (user + system of the process tree, with what exited workers used) are
    printed beside: on a shared machine they are less noisy than wall time.
-3. `prepare` (byte tokenizer, the whole call, same Ray) with data.curate.near_dedup on vs off:
+3. `prepare` (byte tokenizer, or `--tokenizer bpe`: BPE trained on the corpus as prepare does; the
+   whole call, same Ray; `--prepare-only` skips 1 and 2) with data.curate.near_dedup on vs off:
    tokens/s, where on writes fewer tokens (duplicates gone), and the ratio of input
    documents per second (on / off), i.e. off's time / on's time.
 
@@ -141,7 +142,7 @@ def global_ids(ours, file_docs: list[int]) -> set[int]:
     return set((offsets[ours >> 32] + (ours & 0xFFFFFFFF)).tolist())
 
 
-def run_prepare(corpus: Path, cache: Path, curate: bool) -> dict:
+def run_prepare(corpus: Path, cache: Path, curate: bool, tokenizer: str = "byte") -> dict:
     from raytrain_lm.config import DataConfig
     from raytrain_lm.data.prepare import prepare
 
@@ -149,7 +150,7 @@ def run_prepare(corpus: Path, cache: Path, curate: bool) -> dict:
         sources=[str(corpus)],
         cache_dir=str(cache),
         max_source_bytes=None,
-        tokenizer={"kind": "byte"},
+        tokenizer={"kind": tokenizer},
         curate={"near_dedup": {"enabled": curate, "scope": "global"}},
     )
     with CpuMeter() as cpu:
@@ -196,24 +197,32 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--datatrove-python", type=Path, default=DEFAULT_VENV / "bin" / "python")
     parser.add_argument("--skip-prepare", action="store_true", help="no curation on/off part")
+    parser.add_argument(
+        "--prepare-only", action="store_true", help="only the on/off part (no datatrove)"
+    )
+    parser.add_argument(
+        "--tokenizer", choices=("byte", "bpe"), default="byte", help="prepare's tokenizer"
+    )
     parser.add_argument("--datatrove-worker", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.datatrove_worker:
         datatrove_worker(*args.datatrove_worker, tasks=args.files, workers=args.cpus)
         return
 
-    ensure_datatrove(args.datatrove_python)
-    version = subprocess.run(
-        [
-            str(args.datatrove_python),
-            "-c",
-            "from importlib.metadata import version as v; "
-            "print(v('datatrove'), v('spacy'), v('xxhash'))",
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.split()
+    version = ["-", "-", "-"]
+    if not args.prepare_only:
+        ensure_datatrove(args.datatrove_python)
+        version = subprocess.run(
+            [
+                str(args.datatrove_python),
+                "-c",
+                "from importlib.metadata import version as v; "
+                "print(v('datatrove'), v('spacy'), v('xxhash'))",
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split()
     from importlib.metadata import version as installed
 
     work = Path(tempfile.mkdtemp(prefix="raytrain-curate-bench-"))
@@ -246,7 +255,7 @@ def main() -> None:
     }
     try:
         run_ours(warm, work / "ours-warm")  # worker processes up; not timed
-        for r in range(args.rounds):
+        for r in range(0 if args.prepare_only else args.rounds):
             sides = ["datatrove", "ours"] if r % 2 == 0 else ["ours", "datatrove"]
             for side in sides:
                 if side == "datatrove":
@@ -261,10 +270,10 @@ def main() -> None:
                     flush=True,
                 )
         if not args.skip_prepare:
-            run_prepare(warm, work / "prepare-warm", curate=True)
+            run_prepare(warm, work / "prepare-warm", True, args.tokenizer)
             for r in range(args.rounds):
                 for curate in [False, True] if r % 2 == 0 else [True, False]:
-                    out = run_prepare(corpus, work / "prepare", curate)
+                    out = run_prepare(corpus, work / "prepare", curate, args.tokenizer)
                     results["prepare_on" if curate else "prepare_off"].append(out)
                     print(
                         f"round {r} prepare curate={'on' if curate else 'off'}: "
@@ -276,12 +285,14 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
 
     summary = {"documents": n_docs, "megabytes": megabytes, "cpus": args.cpus}
-    summary["removals"] = compare_removals(results, truth)
-    summary["speed"] = report_speed(results, n_docs, args.cpus)
+    if not args.prepare_only:
+        summary["removals"] = compare_removals(results, truth)
+        summary["speed"] = report_speed(results, n_docs, args.cpus)
     if not args.skip_prepare:
-        summary["prepare"] = report_prepare(results, n_docs, args.cpus)
-        removed = len(global_ids(results["ours"][-1]["ids"], truth["file_docs"]))
-        assert summary["prepare"]["on_documents"] == n_docs - removed, "prepare removed others"
+        summary["prepare"] = report_prepare(results, n_docs, args.tokenizer)
+        if not args.prepare_only:
+            removed = len(global_ids(results["ours"][-1]["ids"], truth["file_docs"]))
+            assert summary["prepare"]["on_documents"] == n_docs - removed, "prepare removed others"
     print("RESULT " + json.dumps(summary))
 
 
@@ -417,11 +428,11 @@ def report_speed(results: dict, n_docs: int, cpus: int) -> dict:
     return summary
 
 
-def report_prepare(results: dict, n_docs: int, cpus: int) -> dict:
+def report_prepare(results: dict, n_docs: int, tokenizer: str) -> dict:
     off, on = results["prepare_off"], results["prepare_on"]
     summary: dict = {}
     print(
-        "\n| prepare (byte tokenizer) | wall s, median (rounds) | CPU s | documents kept | "
+        f"\n| prepare ({tokenizer} tokenizer) | wall s, median (rounds) | CPU s | documents kept | "
         "tokens written | tokens/s | input documents/s |"
     )
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")

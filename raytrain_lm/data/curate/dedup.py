@@ -8,12 +8,17 @@ reading tasks then consult (prepare_tasks.read_group).
    MinHash signature's LSH bands (near). Signatures are rensa's (Rust; measured about 100x
    datasketch's speed here) over word n-grams of the text lowercased, without punctuation,
    numbers as 0.
-2. Exact: documents grouped by (scope, hash); all but the lowest id of a group are duplicates.
-3. Near, on the documents the exact stage kept: documents grouped by (scope, band, band hash); every bucket of two or more links its
-   documents; the connected components of those links are clusters, of which all but the lowest
-   id are near-duplicates (datatrove's MinHash stages do the same, with the clustering in one
-   task).
+2. Exact: documents with the same (scope, hash); all but the lowest id of each are duplicates.
+3. Near, on the documents the exact stage kept: one row per (document, band); the rows of the
+   same (scope, band, band hash), a bucket, link their documents; the connected components of
+   those links are clusters, of which all but the lowest id are near-duplicates (datatrove's
+   MinHash stages do the same, with the clustering in one task).
 4. One Ray task takes the duplicates of both and writes the file: sorted ids and the rule.
+
+Stages 2 and 3 group by a partition of the key's hash (Ray Data's `groupby`, a shuffle that
+scales out), not by the key itself: each group is then a sorted NumPy pass over many keys.
+Grouped by the key, nearly every group was one row and a Python call of its own, and those
+calls were most of the pass (about 0.45 ms a document for its 14 bands).
 
 Every decision depends on documents' ids and content only: the same removals whatever the block
 count or the number of nodes.
@@ -97,29 +102,75 @@ def keys_table(docs: np.ndarray, sources: np.ndarray, texts: list[str], cfg: Cur
     )
 
 
+ROWS_PER_PARTITION = 2_000_000  # keys one group function sorts at once (about 100 MB)
+
+
+def _partition_of(*keys: np.ndarray, partitions: int) -> np.ndarray:
+    """Which group a key goes to: a mix of its columns modulo `partitions` (equal keys, equal
+    partition; unsigned arithmetic wraps)."""
+    mixed = np.zeros(len(keys[0]), dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        for column in keys:
+            mixed = (mixed ^ column.astype(np.uint64)) * np.uint64(0x9E3779B97F4A7C15)
+    return (mixed % np.uint64(partitions)).astype(np.int64)
+
+
+def _firsts_and_rest(keys: list[np.ndarray], docs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rows sorted by key then id: for every row that is not its key's first (lowest id), that
+    first id and its own id."""
+    order = np.lexsort((docs, *reversed(keys)))
+    docs = docs[order]
+    same = np.ones(len(docs), dtype=bool)
+    same[0] = False
+    for column in keys:
+        column = column[order]
+        same[1:] &= column[1:] == column[:-1]
+    run_start = np.maximum.accumulate(np.where(~same, np.arange(len(docs)), 0))
+    return docs[run_start][same], docs[same]
+
+
 def _exact_group(group: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    docs = np.sort(group["doc"])
-    return {"doc": docs[1:]}  # the lowest id stays
+    """All but the lowest id of each (scope, hash) in this partition."""
+    if not len(group["doc"]):
+        return {"doc": np.zeros(0, dtype=np.int64)}
+    _, rest = _firsts_and_rest([group["exact_scope"], group["exact"]], group["doc"])
+    return {"doc": np.unique(rest)}
 
 
-def _bucket_rows(batch: pa.Table) -> pa.Table:
-    """One row per (document, band): its scope, the band's index and hash."""
+def _with_partition(batch: pa.Table, columns: list[str], partitions: int) -> pa.Table:
+    keys = [batch.column(name).to_numpy() for name in columns]
+    return batch.append_column("part", pa.array(_partition_of(*keys, partitions=partitions)))
+
+
+def _bucket_rows(batch: pa.Table, partitions: int) -> pa.Table:
+    """One row per (document, band): its scope, the band's index and hash, and its partition."""
     lengths = np.array([len(b) for b in batch.column("bands").to_pylist()], dtype=np.int64)
-    flat = batch.column("bands").combine_chunks().flatten()
+    flat = batch.column("bands").combine_chunks().flatten().to_numpy()
     index = np.concatenate([np.arange(n) for n in lengths] or [np.zeros(0, np.int64)])
+    scope = np.repeat(batch.column("near_scope").to_numpy(), lengths)
     return pa.table(
         {
-            "near_scope": np.repeat(batch.column("near_scope").to_numpy(), lengths),
+            "near_scope": scope,
             "band": index.astype(np.int64),
             "bucket": flat,
             "doc": np.repeat(batch.column("doc").to_numpy(), lengths),
+            "part": _partition_of(scope, index, flat, partitions=partitions),
         }
     )
 
 
 def _bucket_links(group: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    docs = np.unique(group["doc"])
-    return {"a": np.full(len(docs) - 1, docs[0], dtype=np.int64), "b": docs[1:]}
+    """Each bucket of this partition links its lowest id to each of its other ids."""
+    if not len(group["doc"]):
+        return {"a": np.zeros(0, dtype=np.int64), "b": np.zeros(0, dtype=np.int64)}
+    keys = [group["near_scope"], group["band"], group["bucket"]]
+    first, rest = _firsts_and_rest(keys, group["doc"])
+    links = np.unique(np.stack([first, rest], axis=1)[first != rest], axis=0)
+    return {"a": links[:, 0].copy(), "b": links[:, 1].copy()}
+
+
+def _partitions(rows: int, cpus: int) -> int:
+    return max(2 * cpus, -(-rows // ROWS_PER_PARTITION))
 
 
 def find_duplicates(keys, cfg: CurateConfig, directory: str) -> dict[str, int]:
@@ -131,12 +182,17 @@ def find_duplicates(keys, cfg: CurateConfig, directory: str) -> dict[str, int]:
     # Computed once for both stages (they would each run the reading pass again), and
     # counted: Ray Data cannot group an empty dataset.
     keys = keys.materialize()
-    partitions = max(1, 2 * int(ray.cluster_resources().get("CPU", 1)))
+    cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
     exact_path = storage.join(directory, EXACT_FILE) if cfg.exact_dedup.enabled else None
     if exact_path is not None:
         refs = []
-        if keys.count():
-            exact = keys.groupby(["exact_scope", "exact"], num_partitions=partitions)
+        if count := keys.count():
+            parts = _partitions(count, cpus)
+            exact = keys.map_batches(
+                _with_partition,
+                fn_kwargs={"columns": ["exact_scope", "exact"], "partitions": parts},
+                batch_format="pyarrow",
+            ).groupby("part", num_partitions=min(parts, 2 * cpus))
             refs = exact.map_groups(_exact_group, batch_format="numpy").to_arrow_refs()
         write = ray.remote(num_cpus=1)(_write_exact)
         ray.get(write.remote(exact_path, *refs))
@@ -147,10 +203,14 @@ def find_duplicates(keys, cfg: CurateConfig, directory: str) -> dict[str, int]:
             survivors = keys.map_batches(
                 _without_exact, fn_kwargs={"path": exact_path}, batch_format="pyarrow"
             )
-        rows = survivors.map_batches(_bucket_rows, batch_format="pyarrow", batch_size=None)
+        # Partitions for 14 rows per document (near_dedup.bands: at most that many).
+        parts = _partitions(keys.count() * cfg.near_dedup.bands, cpus)
+        rows = survivors.map_batches(
+            _bucket_rows, fn_kwargs={"partitions": parts}, batch_format="pyarrow", batch_size=None
+        )
         rows = rows.materialize()
         if rows.count():
-            links = rows.groupby(["near_scope", "band", "bucket"], num_partitions=partitions)
+            links = rows.groupby("part", num_partitions=min(parts, 2 * cpus))
             link_refs = links.map_groups(_bucket_links, batch_format="numpy").to_arrow_refs()
     path = storage.join(directory, REMOVED_FILE)
     resolve = ray.remote(num_cpus=1)(_resolve_duplicates)
