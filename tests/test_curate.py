@@ -299,3 +299,44 @@ def test_a_corpus_curation_empties_is_refused(tmp_path):
     )
     with pytest.raises(UserError, match="empty corpus"):
         prepare(cfg, progress=False)
+
+
+def test_a_partition_links_each_bucket_like_grouping_by_the_key():
+    """The grouping functions see a hash partition of many keys at once: they must give what
+    grouping by each key would (every bucket's lowest id linked to its others; all but the
+    lowest id of each exact key), whatever the rows' order."""
+    from raytrain_lm.data.curate.dedup import _bucket_links, _exact_group, _partition_of
+
+    rng = np.random.default_rng(0)
+    n = 5_000
+    group = {
+        "near_scope": rng.integers(0, 2, n),
+        "band": rng.integers(0, 3, n),
+        "bucket": rng.integers(-40, 40, n) * (2**40),  # many collisions, signed 64-bit values
+        "doc": rng.permutation(n).astype(np.int64),
+    }
+    buckets: dict[tuple, list[int]] = {}
+    for scope, band, bucket, doc in zip(*group.values(), strict=True):
+        buckets.setdefault((scope, band, bucket), []).append(int(doc))
+    expected = {(min(d), x) for d in buckets.values() for x in d if x != min(d)}
+    links = _bucket_links(group)
+    assert set(zip(links["a"].tolist(), links["b"].tolist(), strict=True)) == expected
+    assert len(links["a"]) == len(expected)  # each link once
+
+    exact = {"exact_scope": group["near_scope"], "exact": group["bucket"], "doc": group["doc"]}
+    kept = {min(d) for k, d in _keys_docs(exact).items()}
+    assert set(_exact_group(exact)["doc"].tolist()) == set(range(n)) - kept
+    assert len(_exact_group({k: v[:0] for k, v in exact.items()})["doc"]) == 0
+
+    parts = _partition_of(group["near_scope"], group["band"], group["bucket"], partitions=7)
+    assert parts.min() >= 0 and parts.max() < 7 and len(set(parts.tolist())) > 1
+    for key, docs in buckets.items():  # a key's rows all in one partition
+        rows = np.isin(group["doc"], docs)
+        assert len(set(parts[rows].tolist())) == 1, key
+
+
+def _keys_docs(exact: dict[str, np.ndarray]) -> dict[tuple, list[int]]:
+    out: dict[tuple, list[int]] = {}
+    for scope, key, doc in zip(exact["exact_scope"], exact["exact"], exact["doc"], strict=True):
+        out.setdefault((scope, key), []).append(int(doc))
+    return out
