@@ -40,7 +40,6 @@ from torch.distributed import ReduceOp
 from raytrain_lm.errors import UserError
 from raytrain_lm.trainer import faults
 from raytrain_lm.trainer.cadence import Cadences, Flags
-from raytrain_lm.trainer.plan import learning_rate
 from raytrain_lm.trainer.progress import announce
 from raytrain_lm.trainer.quorum import ByteCounter
 from raytrain_lm.trainer.replicas import ReplicaWorker
@@ -147,7 +146,6 @@ class DilocoWorker(ReplicaWorker):
         self.last_commit_t = time.time()
         for cadence in (self.every.log, self.every.eval, self.every.checkpoint):
             cadence._last_step = self.state.step
-        self.joined_round = None
         if self.state.step < self.end_step:
             summed, committed, first, length = self._sync(None, None, [], 0.0, trained=False)
             if committed:
@@ -236,10 +234,6 @@ class DilocoWorker(ReplicaWorker):
         self.batches.close()
         self.batches = self._batches()
         return self.batches
-
-    def _lr(self, step: int) -> float:
-        optim = self.cfg.optim
-        return learning_rate(step, optim.lr, optim.min_lr, optim.warmup_steps, self.decay_steps)
 
     def _sync(self, losses, norms, taken, stop, trained=True):
         """The outer sync of this group's round: a quorum, the pseudo-gradients averaged

@@ -43,7 +43,7 @@ from raytrain_lm.trainer.balance import type_weights
 from raytrain_lm.trainer.cadence import Flags
 from raytrain_lm.trainer.checkpoint import TrainState, latest_complete_checkpoint, read_state
 from raytrain_lm.trainer.chief_uploads import ChiefUploads
-from raytrain_lm.trainer.plan import BatchPlan, learning_rate
+from raytrain_lm.trainer.plan import BatchPlan
 from raytrain_lm.trainer.progress import ProgressBar, announce
 from raytrain_lm.trainer.quorum import (
     LIGHTHOUSE_ENV,
@@ -291,10 +291,7 @@ class ReplicaWorker(Worker):
             self.plan = plan  # what the checkpoint and the summary report
             step_parts = replace(parts, plan=plan, rank=p)
             torch.manual_seed(step_seed(cfg.training.seed, state.step, p))
-            lr = learning_rate(
-                state.step, cfg.optim.lr, cfg.optim.min_lr, cfg.optim.warmup_steps,
-                self.decay_steps,
-            )  # fmt: skip
+            lr = self._lr(state.step)
             loss = accumulate_gradients(step_parts, tokens[mine])
             taken = positions[mine]
             stop = float(self.is_chief and self._stop_due())

@@ -339,13 +339,15 @@ class Worker(Rebalancing, Endings):
         start-up nor the warm-up steps blur a steady interval's tokens/s."""
         return {self.state.step + 1, self.state.step + WARMUP_STEPS}
 
+    def _lr(self, step: int) -> float:
+        optim = self.cfg.optim
+        return learning_rate(step, optim.lr, optim.min_lr, optim.warmup_steps, self.decay_steps)
+
     def _take_step(self, parts: StepParts, batches) -> None:
         cfg, state = self.cfg, self.state
         self.tick = time.perf_counter()
         torch.manual_seed(step_seed(cfg.training.seed, state.step, self.data_rank))
-        lr = learning_rate(
-            state.step, cfg.optim.lr, cfg.optim.min_lr, cfg.optim.warmup_steps, self.decay_steps
-        )
+        lr = self._lr(state.step)
         result = train_step(parts, batches, lr)
         state.step += 1
         state.tokens += self.tokens_per_step
