@@ -102,17 +102,18 @@ def keys_table(docs: np.ndarray, sources: np.ndarray, texts: list[str], cfg: Cur
     )
 
 
-ROWS_PER_PARTITION = 2_000_000  # keys one group function sorts at once (about 100 MB)
+ROWS_PER_REDUCER = 2_000_000  # keys one shuffle reducer holds (about 100 MB)
+PARTS_PER_REDUCER = 16  # Ray hashes the part values onto reducers: many each, for balance
 
 
 def _partition_of(*keys: np.ndarray, partitions: int) -> np.ndarray:
-    """Which group a key goes to: a mix of its columns modulo `partitions` (equal keys, equal
-    partition; unsigned arithmetic wraps)."""
+    """Which group a key goes to: a mix of its columns, its high half modulo `partitions`
+    (equal keys, equal partition; unsigned arithmetic wraps)."""
     mixed = np.zeros(len(keys[0]), dtype=np.uint64)
     with np.errstate(over="ignore"):
         for column in keys:
             mixed = (mixed ^ column.astype(np.uint64)) * np.uint64(0x9E3779B97F4A7C15)
-    return (mixed % np.uint64(partitions)).astype(np.int64)
+    return ((mixed >> np.uint64(32)) % np.uint64(partitions)).astype(np.int64)
 
 
 def _firsts_and_rest(keys: list[np.ndarray], docs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -169,8 +170,8 @@ def _bucket_links(group: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return {"a": links[:, 0].copy(), "b": links[:, 1].copy()}
 
 
-def _partitions(rows: int, cpus: int) -> int:
-    return max(2 * cpus, -(-rows // ROWS_PER_PARTITION))
+def _reducers(rows: int, cpus: int) -> int:
+    return max(2 * cpus, -(-rows // ROWS_PER_REDUCER))
 
 
 def find_duplicates(keys, cfg: CurateConfig, directory: str) -> dict[str, int]:
@@ -187,12 +188,15 @@ def find_duplicates(keys, cfg: CurateConfig, directory: str) -> dict[str, int]:
     if exact_path is not None:
         refs = []
         if count := keys.count():
-            parts = _partitions(count, cpus)
+            reducers = _reducers(count, cpus)
             exact = keys.map_batches(
                 _with_partition,
-                fn_kwargs={"columns": ["exact_scope", "exact"], "partitions": parts},
+                fn_kwargs={
+                    "columns": ["exact_scope", "exact"],
+                    "partitions": reducers * PARTS_PER_REDUCER,
+                },
                 batch_format="pyarrow",
-            ).groupby("part", num_partitions=min(parts, 2 * cpus))
+            ).groupby("part", num_partitions=reducers)
             refs = exact.map_groups(_exact_group, batch_format="numpy").to_arrow_refs()
         write = ray.remote(num_cpus=1)(_write_exact)
         ray.get(write.remote(exact_path, *refs))
@@ -204,13 +208,16 @@ def find_duplicates(keys, cfg: CurateConfig, directory: str) -> dict[str, int]:
                 _without_exact, fn_kwargs={"path": exact_path}, batch_format="pyarrow"
             )
         # Partitions for 14 rows per document (near_dedup.bands: at most that many).
-        parts = _partitions(keys.count() * cfg.near_dedup.bands, cpus)
+        reducers = _reducers(keys.count() * cfg.near_dedup.bands, cpus)
         rows = survivors.map_batches(
-            _bucket_rows, fn_kwargs={"partitions": parts}, batch_format="pyarrow", batch_size=None
+            _bucket_rows,
+            fn_kwargs={"partitions": reducers * PARTS_PER_REDUCER},
+            batch_format="pyarrow",
+            batch_size=None,
         )
         rows = rows.materialize()
         if rows.count():
-            links = rows.groupby("part", num_partitions=min(parts, 2 * cpus))
+            links = rows.groupby("part", num_partitions=reducers)
             link_refs = links.map_groups(_bucket_links, batch_format="numpy").to_arrow_refs()
     path = storage.join(directory, REMOVED_FILE)
     resolve = ray.remote(num_cpus=1)(_resolve_duplicates)
