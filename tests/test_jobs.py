@@ -259,8 +259,13 @@ def test_a_late_run_gets_an_on_demand_node_and_gives_it_back(local_cluster, stor
     wait_for_status(url, name, "SUCCEEDED", 420)
     events = read_events(run_dir)
     kinds = [e["event"] for e in events]
-    (asked,) = [e for e in events if e["event"] == "capacity_request"]
+    asked, *asked_again = [e for e in events if e["event"] == "capacity_request"]
     assert asked["workers"] == 1 and asked["slack_s"] < 0 and asked["world_size"] == 2
+    # On a loaded machine the restart back on spot can outlast its margin (twice the restart
+    # measured before): the spot group starts behind and asks again, then withdraws once
+    # ahead, without a third switch (below).
+    withdrawn = [e for e in events if e["event"] == "capacity_withdrawn"]
+    assert len(asked_again) <= 1 and len(withdrawn) == len(asked_again), kinds
     decided = [e for e in events if e["event"] == "capacity_switch"]
     assert [d["market"] for d in decided] == ["on_demand", "spot"], kinds
     assert decided[0]["slack_s"] < 0 and decided[1]["slack_s"] > decided[1]["margin_s"]
@@ -281,7 +286,7 @@ def test_a_late_run_gets_an_on_demand_node_and_gives_it_back(local_cluster, stor
     assert "restarting on on-demand capacity" in logs and "restarting on spot capacity" in logs
     assert "back to spot nodes only; the on-demand nodes are given back" in logs
     added = [line for line in logs.splitlines() if "Adding 1 node(s) of type cpu_on_demand" in line]
-    assert len(added) == 1, logs[-3000:]
+    assert 1 <= len(added) <= 1 + len(asked_again), logs[-3000:]  # a node per request at most
     placed = state(url, PLACED_WORKERS.format(submission=name))
     assert sum("on_demand" in resources for resources in placed) == 1, placed
 
