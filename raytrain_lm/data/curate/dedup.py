@@ -119,6 +119,8 @@ def _partition_of(*keys: np.ndarray, partitions: int) -> np.ndarray:
 def _firsts_and_rest(keys: list[np.ndarray], docs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Rows sorted by key then id: for every row that is not its key's first (lowest id), that
     first id and its own id."""
+    if not len(docs):
+        return docs, docs
     order = np.lexsort((docs, *reversed(keys)))
     docs = docs[order]
     same = np.ones(len(docs), dtype=bool)
@@ -132,15 +134,15 @@ def _firsts_and_rest(keys: list[np.ndarray], docs: np.ndarray) -> tuple[np.ndarr
 
 def _exact_group(group: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """All but the lowest id of each (scope, hash) in this partition."""
-    if not len(group["doc"]):
-        return {"doc": np.zeros(0, dtype=np.int64)}
     _, rest = _firsts_and_rest([group["exact_scope"], group["exact"]], group["doc"])
     return {"doc": np.unique(rest)}
 
 
-def _with_partition(batch: pa.Table, columns: list[str], partitions: int) -> pa.Table:
-    keys = [batch.column(name).to_numpy() for name in columns]
-    return batch.append_column("part", pa.array(_partition_of(*keys, partitions=partitions)))
+def _exact_rows(batch: pa.Table, partitions: int) -> pa.Table:
+    """What the exact stage groups: scope, hash and id (not the bands), and the partition."""
+    rows = batch.select(["exact_scope", "exact", "doc"])
+    keys = [rows.column(name).to_numpy() for name in ("exact_scope", "exact")]
+    return rows.append_column("part", pa.array(_partition_of(*keys, partitions=partitions)))
 
 
 def _bucket_rows(batch: pa.Table, partitions: int) -> pa.Table:
@@ -162,8 +164,6 @@ def _bucket_rows(batch: pa.Table, partitions: int) -> pa.Table:
 
 def _bucket_links(group: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Each bucket of this partition links its lowest id to each of its other ids."""
-    if not len(group["doc"]):
-        return {"a": np.zeros(0, dtype=np.int64), "b": np.zeros(0, dtype=np.int64)}
     keys = [group["near_scope"], group["band"], group["bucket"]]
     first, rest = _firsts_and_rest(keys, group["doc"])
     links = np.unique(np.stack([first, rest], axis=1)[first != rest], axis=0)
@@ -190,11 +190,8 @@ def find_duplicates(keys, cfg: CurateConfig, directory: str) -> dict[str, int]:
         if count := keys.count():
             reducers = _reducers(count, cpus)
             exact = keys.map_batches(
-                _with_partition,
-                fn_kwargs={
-                    "columns": ["exact_scope", "exact"],
-                    "partitions": reducers * PARTS_PER_REDUCER,
-                },
+                _exact_rows,
+                fn_kwargs={"partitions": reducers * PARTS_PER_REDUCER},
                 batch_format="pyarrow",
             ).groupby("part", num_partitions=reducers)
             refs = exact.map_groups(_exact_group, batch_format="numpy").to_arrow_refs()
