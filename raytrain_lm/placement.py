@@ -87,13 +87,20 @@ def worker_resources(
     return {"resources_per_worker": resources, **extra}
 
 
-def keep_gpu_nodes_releasable() -> None:
-    """Creates Ray Data's cluster-lifetime actor location tracker from the driver.
+def pin_ray_data_actors_here() -> None:
+    """Creates Ray Data's two cluster-lifetime actors from this process (a driver, on the head):
+    its actor location tracker and its stats actor.
 
-    Ray Data makes it (a detached actor) on the node of the first Ray Data execution. Ours run
-    inside Train workers, so it would sit on a GPU node, which then is never idle and never
-    scales down (seen on the fake cluster: the A100 node stayed until the tracker was killed).
-    Made here first, it stays on the driver's node (the head); later lookups find it.
+    Ray Data makes each (a detached actor) on the node of the first Ray Data execution. Ours
+    run inside Train workers, so they would sit on a worker node:
+    - the tracker keeps a GPU node from ever being idle, so it never scales down (seen on the
+      fake cluster: the A100 node stayed until the tracker was killed);
+    - the stats actor dies with a spot node, and the one made again knows none of the running
+      pipelines: each of their metric updates fails with a KeyError that every worker prints.
+      Made first by a worker, it is made in a race between the worker's two threads (the
+      pipeline registering and its executor updating), which lost the registration once in
+      CI's sweep notebook, two trials starting side by side.
+    Made here first, both stay on the driver's node; later lookups find them.
     """
     import ray
 
@@ -103,9 +110,11 @@ def keep_gpu_nodes_releasable() -> None:
         from ray.data._internal.execution.node_trackers import (
             get_or_create_actor_location_tracker,
         )
-    except ImportError:  # a Ray without the tracker has nothing to pin
+        from ray.data._internal.stats import get_or_create_stats_actor
+    except ImportError:  # a Ray without them has nothing to pin
         return
     get_or_create_actor_location_tracker()
+    get_or_create_stats_actor()
 
 
 def release_resource_requests(run_id: str) -> None:

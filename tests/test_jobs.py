@@ -28,6 +28,7 @@ from support.jobs import (
     ALIVE_ON_DEMAND,
     ALIVE_WORKER_TYPES,
     PLACED_WORKERS,
+    RAY_DATA_ACTORS_ON_HEAD,
     cli,
     env,
     events_when,
@@ -125,6 +126,11 @@ def test_run_asking_for_a100_scales_up_lands_there_and_scales_down(local_cluster
     assert len(placed) == 2
     for resources in placed:
         assert "accelerator_type:A100" in resources and "spot" in resources
+    # Made by the driver, not by the first worker to read: on the head, never on a spot node.
+    assert state(url, RAY_DATA_ACTORS_ON_HEAD) == [
+        ["ActorLocationTracker", True],
+        ["_StatsActor", True],
+    ]
 
     # Same name again: the job resumes the finished run instead of training anew.
     again = submit(url, storage, f"{job}-2", *sets, timeout=600)
@@ -261,24 +267,27 @@ def test_a_late_run_gets_an_on_demand_node_and_gives_it_back(local_cluster, stor
     kinds = [e["event"] for e in events]
     asked, *asked_again = [e for e in events if e["event"] == "capacity_request"]
     assert asked["workers"] == 1 and asked["slack_s"] < 0 and asked["world_size"] == 2
-    # On a loaded machine the restart back on spot can outlast its margin (twice the restart
-    # measured before): the spot group starts behind and asks again, then withdraws once
-    # ahead, without a third switch (below).
-    withdrawn = [e for e in events if e["event"] == "capacity_withdrawn"]
-    assert len(asked_again) <= 1 and len(withdrawn) == len(asked_again), kinds
     decided = [e for e in events if e["event"] == "capacity_switch"]
-    assert [d["market"] for d in decided] == ["on_demand", "spot"], kinds
+    assert [d["market"] for d in decided[:2]] == ["on_demand", "spot"], kinds
     assert decided[0]["slack_s"] < 0 and decided[1]["slack_s"] > decided[1]["margin_s"]
     assert decided[1]["margin_s"] == pytest.approx(max(4.8, 2 * decided[1]["restart_s"]), abs=0.2)
+    # On a loaded machine the restart back on spot can outlast its margin (twice the mean
+    # restart so far; in CI it was 48 s behind 4 steps after the switch back): the spot group
+    # starts behind and asks again. That request is withdrawn once ahead, or served (one more switch
+    # to on-demand), or still stands when the run ends, which withdraws it (the on-demand node
+    # leaves, below). Only a group behind schedule asks, and only after the switch back.
+    assert all(a["slack_s"] < 0 and a["step"] >= decided[1]["step"] for a in asked_again), kinds
+    assert len(decided) == 2 or (decided[2]["market"] == "on_demand" and asked_again), kinds
     switches = [e for e in events if e["event"] == "capacity"]  # the driver's, after each end
     assert [(s["market"], s["step"]) for s in switches] == [
         (d["market"], d["step"]) for d in decided
     ]
     groups = [e for e in events if e["event"] == "segment_start"]
-    assert [g["world_size"] for g in groups] == [2, 3, 2], kinds
-    assert [g["price_per_hour"] for g in groups] == [2.0, 5.0, 2.0]  # the on-demand one at $3
+    assert len(groups) == 1 + len(decided), kinds
+    assert [g["world_size"] for g in groups[:3]] == [2, 3, 2], kinds
+    assert [g["price_per_hour"] for g in groups[:3]] == [2.0, 5.0, 2.0]  # on-demand one at $3
     stops = [e.get("why") for e in events if e["event"] == "stop"]
-    assert stops == ["capacity", "capacity"]
+    assert stops == ["capacity"] * len(decided)
     assert read_ledger(run_dir).tolist() == list(range(STEPS * BATCH))
 
     logs = cli("logs", name, "--address", url).stdout
@@ -288,7 +297,8 @@ def test_a_late_run_gets_an_on_demand_node_and_gives_it_back(local_cluster, stor
     added = [line for line in logs.splitlines() if "Adding 1 node(s) of type cpu_on_demand" in line]
     assert 1 <= len(added) <= 1 + len(asked_again), logs[-3000:]  # a node per request at most
     placed = state(url, PLACED_WORKERS.format(submission=name))
-    assert sum("on_demand" in resources for resources in placed) == 1, placed
+    on_demand_groups = sum(d["market"] == "on_demand" for d in decided)
+    assert sum("on_demand" in resources for resources in placed) == on_demand_groups, placed
 
     # Nothing of the run fits on it since the switch back: it leaves on the idle timeout.
     gone_by = time.time() + 120

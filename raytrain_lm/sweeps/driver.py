@@ -20,6 +20,7 @@ from ray import tune
 from raytrain_lm.config import RunConfig
 from raytrain_lm.data.prepare import prepare
 from raytrain_lm.errors import UserError, find_user_error
+from raytrain_lm.placement import pin_ray_data_actors_here
 from raytrain_lm.rundir import RunDir
 from raytrain_lm.runtime import ensure_ray, use_gpu
 from raytrain_lm.storage import check_writable, is_uri
@@ -48,8 +49,10 @@ def connect_ray(sweep: Sweep, base_cfg: RunConfig) -> tuple[bool, int]:
     """Joins or starts Ray for `sweep`, refusing one that can never hold a trial; returns
     whether trials train on GPUs and how many run at once. A local Ray sized for one run
     would leave no room for the trial's own actor: the Train worker would take its CPU and
-    Ray Data's readers would wait forever."""
+    Ray Data's readers would wait forever. Ray Data's cluster-lifetime actors are made here,
+    on the driver's node: a trial's own driver may run on any node."""
     ensure_ray(base_cfg.scaling, extra_cpus=TRIAL_CPU)
+    pin_ray_data_actors_here()
     gpu = use_gpu(base_cfg.scaling)
     fitting = derive_max_concurrent(base_cfg, ray.cluster_resources(), gpu)
     return gpu, sweep.spec.max_concurrent_trials or fitting

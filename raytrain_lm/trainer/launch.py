@@ -23,7 +23,7 @@ from raytrain_lm.data.manifest import mlflow_dataset, verify_shards
 from raytrain_lm.data.prepare import prepare
 from raytrain_lm.errors import UserError
 from raytrain_lm.huggingface import apply_init_from
-from raytrain_lm.placement import keep_gpu_nodes_releasable, withdrawn_at_exit
+from raytrain_lm.placement import pin_ray_data_actors_here, withdrawn_at_exit
 from raytrain_lm.rundir import (
     CONFIG_FILE,
     SUMMARY_FILE,
@@ -154,7 +154,7 @@ def _connect(cfg: RunConfig) -> None:
     """Ray for this run, with the cluster-wide actors Ray Data and Ray Train would otherwise
     create on their own terms made first (idempotent)."""
     ensure_ray(cfg.scaling)
-    keep_gpu_nodes_releasable()
+    pin_ray_data_actors_here()
     create_capacity_view()
 
 

@@ -72,6 +72,15 @@ result = sorted(
 )
 """
 
+# Where Ray Data's cluster-lifetime actors live: the head's node, or another's.
+RAY_DATA_ACTORS_ON_HEAD = """
+nodes = list_nodes(address=dashboard, detail=True, limit=100)
+head = {n.node_id for n in nodes if n.is_head_node}
+names = ("_StatsActor", "ActorLocationTracker")
+actors = list_actors(address=dashboard, filters=[("state", "=", "ALIVE")], limit=1000)
+result = sorted((a.class_name, a.node_id in head) for a in actors if a.class_name in names)
+"""
+
 
 def submit(url: str, storage: Path, job: str, *args: str, timeout: float) -> str:
     """Submits and follows a job to its end; returns its logs."""
