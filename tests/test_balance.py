@@ -80,11 +80,14 @@ def test_speeds_and_type_weights():
     assert type_weights({"A100": 3, "default": 2}, ["A100", "H100"]) == [3, 2]
     with pytest.raises(UserError, match="no weight for accelerator type.*H100"):
         type_weights({"A100": 3}, ["A100", "H100"])
-    figures = per_type_metrics(["A100", "L4", "L4"], [4, 2, 2], 50_000.0, 1e9, {"l4": 0.8})
+    # Per rank prices: the A100 has none; one L4 on spot ($0.8), one on demand ($2).
+    figures = per_type_metrics(["A100", "L4", "L4"], [4, 2, 2], 50_000.0, 1e9, [0.0, 0.8, 2.0])
     assert figures["A100"]["tokens_per_s"] == 25_000.0 and figures["L4"]["workers"] == 2.0
     assert figures["A100"]["mfu"] == pytest.approx(25_000 * 1e9 / 312e12)
     assert "usd_per_mtok" not in figures["A100"]
-    assert figures["L4"]["usd_per_mtok"] == pytest.approx(1.6 / 3600 / 25_000 * 1e6)
+    assert figures["L4"]["usd_per_mtok"] == pytest.approx(2.8 / 3600 / 25_000 * 1e6)
+    half_priced = per_type_metrics(["L4", "L4"], [1, 1], 1000.0, 1e9, [0.8, 0.0])
+    assert "usd_per_mtok" not in half_priced["L4"]  # a part of its cost unknown: no figure
 
 
 def test_balance_settings_are_checked_up_front():

@@ -215,3 +215,5 @@ def test_a_run_that_spends_its_budget_checkpoints_ends_and_resumes_exactly(
     spent, projected = history(first, "cost/spent"), history(first, "cost/projected")
     assert spent[-1][1] >= 14 and projected[-1][1] > 14  # read at the stop
     assert done["goodput"]["cost_total"] > first["goodput"]["cost_total"]
+    cpu = done["per_type"]["cpu"]  # two workers at $3600 an hour each
+    assert cpu["usd_per_mtok"] == pytest.approx(2 * 3600 / 3600 / cpu["tokens_per_s"] * 1e6)

@@ -91,11 +91,13 @@ def test_the_participants_types_and_prices_ride_in_the_steps_sum(kinds):
 
     prices = [1.5 * (p + 1) for p in range(len(kinds))]
     slots = [roster_slots(p, len(kinds), kind, prices[p]) for p, kind in enumerate(kinds)]
-    types, price = read_roster(np.sum(slots, axis=0).tolist())
-    assert types == kinds and price == pytest.approx(sum(prices))
-    figures = per_type_metrics(types, [4] * len(kinds), 1000.0, 1e6, {"default": 2.0})
+    types, read_prices = read_roster(np.sum(slots, axis=0).tolist())
+    assert types == kinds and read_prices == pytest.approx(prices)
+    figures = per_type_metrics(types, [4] * len(kinds), 1000.0, 1e6, read_prices)
     assert set(figures) == set(kinds)
     assert sum(f["tokens_per_s"] for f in figures.values()) == pytest.approx(1000.0)
+    usd_per_hour = sum(f["usd_per_mtok"] * f["tokens_per_s"] / 1e6 * 3600 for f in figures.values())
+    assert usd_per_hour == pytest.approx(sum(prices))
 
 
 def test_goodput_prices_a_replica_segment_by_the_groups_taking_part():

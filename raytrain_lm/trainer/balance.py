@@ -129,11 +129,12 @@ def per_type_metrics(
     shares: Sequence[int],
     tokens_per_s: float,
     flops_per_token: float,
-    prices: Mapping[str, float],
+    prices: Sequence[float],
 ) -> dict[str, dict[str, float]]:
     """Per accelerator type: the tokens/s its ranks train (their shares of the group's), their
-    MFU against that type's own peak, and (with `fault.price_per_hour`) what a million of its
-    tokens cost."""
+    MFU against that type's own peak, and, when each of its ranks has a price (`prices`: per
+    rank, from `fault.price_per_hour` and the rank's node market; 0 for none), what a million
+    of its tokens cost."""
     figures: dict[str, dict[str, float]] = {}
     for kind in sorted(set(types)):
         ranks = [r for r, t in enumerate(types) if t == kind]
@@ -147,8 +148,8 @@ def per_type_metrics(
             "tokens_per_s": kind_tokens_per_s,
             "mfu": min(1.0, flops_per_token * kind_tokens_per_s / (len(ranks) * peak)),
         }
-        price = hardware.price_per_hour(prices, kind)
-        if price is not None and kind_tokens_per_s > 0:
-            row["usd_per_mtok"] = price * len(ranks) / 3600.0 / kind_tokens_per_s * 1e6
+        if all(prices[r] > 0 for r in ranks) and kind_tokens_per_s > 0:
+            usd_per_hour = sum(prices[r] for r in ranks)
+            row["usd_per_mtok"] = usd_per_hour / 3600.0 / kind_tokens_per_s * 1e6
         figures[kind] = row
     return figures

@@ -87,6 +87,7 @@ class ReplicaWorker(Worker):
         self.uploads = ChiefUploads(self._upload, spec.reports)
         # Who took part in the latest step (roster.py): their types, and their price summed.
         self.participant_types: list[str] = []
+        self.participant_prices: list[float] = []
         self.price_seen: float | None = None
         self.peer_throughput: dict[str, Any] | None = None  # a healed group's, to adopt
         prices, market = spec.config.fault.price_per_hour, self.ray.node_market()
@@ -364,15 +365,17 @@ class ReplicaWorker(Worker):
         g = self.cfg.training.global_batch_size
         return super()._batches(WorkerSlice(0, 1, g))  # every group reads whole steps
 
-    def _types_of_shares(self) -> list[str]:
+    def _roster_of_shares(self) -> tuple[list[str], list[float]]:
         if len(self.participant_types) == len(self.plan.shares):  # the step's (roster.py)
-            return self.participant_types
-        return self.types if self.participants == 1 else []  # before the first step
+            return self.participant_types, self.participant_prices
+        alone = self.participants == 1  # before the first step
+        return (self.types, [self.my_price]) if alone else ([], [])
 
     def _note_roster(self, slots: list[float]) -> None:
         """The step's participants' types; and, when what they cost together changed, an
         event from which goodput prices this segment from then on."""
-        self.participant_types, price = read_roster(slots)
+        self.participant_types, self.participant_prices = read_roster(slots)
+        price = sum(self.participant_prices)
         if price != self.price_seen and self.is_chief:
             event = self._event("replica_price", segment=self.segment, step=self.state.step,
                                 price_per_hour=price, types=self.participant_types)  # fmt: skip

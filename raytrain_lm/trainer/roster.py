@@ -1,8 +1,8 @@
 """What replica groups tell each other in every step's summed values (trainer/replicas.py):
 a checksum of the positions each took (exactly once, whoever took part), and who took part:
 each participant's accelerator type and hourly price, in its own slots of the sum, so that
-whichever group is chief knows the step's types (per-type metrics) and the price of the groups
-training (cost) without a further collective."""
+whichever group is chief knows the step's types and prices (per-type metrics) and the price of
+the groups training (cost) without a further collective."""
 
 from __future__ import annotations
 
@@ -48,12 +48,12 @@ def roster_slots(participant: int, participants: int, kind: str, price: float) -
     return slots
 
 
-def read_roster(summed: Sequence[float]) -> tuple[list[str], float]:
-    """Every participant's type (in participating rank order) and their prices' sum."""
-    types, price = [], 0.0
+def read_roster(summed: Sequence[float]) -> tuple[list[str], list[float]]:
+    """Every participant's type and hourly price, in participating rank order."""
+    types, prices = [], []
     for start in range(0, len(summed), SLOTS_PER_PARTICIPANT):
         *codes, each_price = summed[start : start + SLOTS_PER_PARTICIPANT]
         raw = b"".join(int(c).to_bytes(_BYTES_PER_SLOT, "big") for c in codes)
         types.append(raw.rstrip(b"\0").decode("ascii", "replace"))
-        price += each_price
-    return types, price
+        prices.append(each_price)
+    return types, prices

@@ -229,7 +229,11 @@ class Worker(Rebalancing, Endings):
         state, plan = self.state, self.plan
         prices, my_type = self.cfg.fault.price_per_hour, self.types[self.rank]
         my_price = hardware.price_per_hour(prices, my_type, self.ray.node_market()) or 0.0
-        group_price, unpriced = all_reduce([my_price, float(my_price == 0)], self.device)
+        # Each rank's price in its own slot: ranks of one type may sit on spot and on-demand.
+        self.prices = all_reduce(
+            [my_price * (r == self.rank) for r in range(self.world)], self.device
+        )
+        group_price, unpriced = sum(self.prices), sum(price == 0 for price in self.prices)
         if unpriced and self.cfg.budget.max_usd is not None:  # it would cost nothing: refuse
             raise UserError(
                 f"budget.max_usd: fault.price_per_hour gives no price for {int(unpriced)} of the "
@@ -406,20 +410,14 @@ class Worker(Rebalancing, Endings):
         return metrics
 
     def _per_type(self, tokens_per_s: float) -> dict[str, dict[str, float]]:
-        types = self._types_of_shares()
+        types, prices = self._roster_of_shares()
         if len(types) != len(self.plan.shares):
             return {}
-        return per_type_metrics(
-            types,
-            self.plan.shares,
-            tokens_per_s,
-            self.flops_per_token,
-            self.cfg.fault.price_per_hour,
-        )
+        return per_type_metrics(types, self.plan.shares, tokens_per_s, self.flops_per_token, prices)
 
-    def _types_of_shares(self) -> list[str]:
-        """The accelerator type of each share of the plan, in order."""
-        return self.types
+    def _roster_of_shares(self) -> tuple[list[str], list[float]]:
+        """The accelerator type and hourly price (0: none given) of each share of the plan."""
+        return self.types, self.prices
 
     def _live_goodput(self) -> dict[str, float]:
         live = summarize(self.events, time.time())
