@@ -96,10 +96,9 @@ def pin_ray_data_actors_here() -> None:
     - the tracker keeps a GPU node from ever being idle, so it never scales down (seen on the
       fake cluster: the A100 node stayed until the tracker was killed);
     - the stats actor dies with a spot node, and the one made again knows none of the running
-      pipelines: each of their metric updates fails with a KeyError that every worker prints.
-      Made first by a worker, it is made in a race between the worker's two threads (the
-      pipeline registering and its executor updating), which lost the registration once in
-      CI's sweep notebook, two trials starting side by side.
+      pipelines: each of their metric updates fails with a KeyError that every worker prints
+      (as CI's sweep notebook once printed, from a stats actor a Train worker had made; why
+      that one was replaced is not known: a single node, nothing of ours kills it).
     Made here first, both stay on the driver's node; later lookups find them.
     """
     import ray

@@ -277,6 +277,9 @@ def test_a_late_run_gets_an_on_demand_node_and_gives_it_back(local_cluster, stor
     # to on-demand), or still stands when the run ends, which withdraws it (the on-demand node
     # leaves, below). Only a group behind schedule asks, and only after the switch back.
     assert all(a["slack_s"] < 0 and a["step"] >= decided[1]["step"] for a in asked_again), kinds
+    withdrawn = [e for e in events if e["event"] == "capacity_withdrawn"]
+    assert len(withdrawn) <= len(asked_again), kinds
+    assert all(w["slack_s"] > w["margin_s"] for w in withdrawn), withdrawn
     assert len(decided) == 2 or (decided[2]["market"] == "on_demand" and asked_again), kinds
     switches = [e for e in events if e["event"] == "capacity"]  # the driver's, after each end
     assert [(s["market"], s["step"]) for s in switches] == [

@@ -75,8 +75,8 @@ class Endings:
         if self.budget.exhausted(self.events, time.time()):
             self.stop_reason = "budget"
             return True
-        if self.cfg.scaling.capacity != "spot_first":
-            return False
+        if self.cfg.scaling.capacity != "spot_first" or self.state.step >= self.end_step:
+            return False  # at the last step nothing is left to move (the run withdraws at exit)
         if self.budget.capacity is None:
             events = read_events(self.run_dir)
             self.budget.capacity = DeadlineCapacity(
