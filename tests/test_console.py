@@ -1,4 +1,4 @@
-"""What the driver prints of Ray's worker output (raytrain_lm/console.py): the two known
+"""What the driver prints of Ray's worker output (raytrain_lm/console.py): the known
 harmless Ray messages (and blank lines) are dropped, every other line passes, errors included."""
 
 from __future__ import annotations
@@ -23,6 +23,20 @@ GONE = (
     "kill actor d47443a60e08, return status: Invalid: KillActor RPC failed for actor d47443a60e08"
 )
 REAL_ERROR = "[2026-12-04 09:20:50,001 E 9 9] core_worker.cc:100: Failed to connect: timeout"
+# As a Train worker printed it in CI's sweep notebook, three times (the stats actor had been
+# made again and knew none of the running pipelines).
+STATS_ERROR = [
+    "Unhandled error (suppress with 'RAY_IGNORE_UNHANDLED_ERRORS=1'): \x1b[36mray::_StatsActor."
+    "update_execution_metrics()\x1b[39m (pid=10573, ip=192.0.2.2, actor_id=d4f99d1b5be795d364, "
+    "repr=<ray.data._internal.stats._StatsActor object at 0x7fca334757d0>)",
+    '  File "/venv/ray/data/_internal/stats.py", line 836, in update_execution_metrics',
+    "    self.update_dataset(dataset_tag, state)",
+    "    ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^",
+    '  File "/venv/ray/data/_internal/stats.py", line 934, in update_dataset',
+    "    self.datasets[dataset_tag].update(state)",
+    "    ~~~~~~~~~~~~~^^^^^^^^^^^^^",
+    "KeyError: 'raytrain_lm_0359O6QOeOrT5Rht19TVXP_0'",
+]
 
 
 def test_harmless_ray_lines_are_dropped_and_errors_pass():
@@ -40,3 +54,14 @@ def test_harmless_ray_lines_are_dropped_and_errors_pass():
         ["still here"],
     ]
     assert _dropping_harmless(handle) is handle  # wrapping twice changes nothing
+
+
+def test_a_stats_actor_error_about_our_pipeline_is_dropped_any_other_passes_whole():
+    printed: list[dict] = []
+    handle = _dropping_harmless(printed.append)
+    handle({"pid": 7, "lines": STATS_ERROR[:3]})  # an error may arrive in several batches
+    handle({"pid": 7, "lines": [*STATS_ERROR[3:], "step 2"]})
+    theirs = [*STATS_ERROR[:-1], "KeyError: 'dataset_12_0'"]  # not a pipeline of ours
+    other = [*STATS_ERROR[:-1], "ValueError: bad state"]
+    handle({"pid": 8, "lines": [*theirs, *other, "step 3"]})
+    assert [batch["lines"] for batch in printed] == [["step 2"], [*theirs, *other, "step 3"]]
