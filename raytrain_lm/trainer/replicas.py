@@ -85,7 +85,7 @@ class ReplicaWorker(Worker):
         self.leaving = False
         self.regular_read = False  # whether the loop's current read is one every group makes
         self.uploads = ChiefUploads(self._upload, spec.reports)
-        # Who took part in the latest step (roster.py): their types, and their price summed.
+        # Who took part in the latest step (roster.py): their types and hourly prices.
         self.participant_types: list[str] = []
         self.participant_prices: list[float] = []
         self.price_seen: float | None = None
