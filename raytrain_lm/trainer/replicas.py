@@ -90,9 +90,6 @@ class ReplicaWorker(Worker):
         self.participant_prices: list[float] = []
         self.price_seen: float | None = None
         self.peer_throughput: dict[str, Any] | None = None  # a healed group's, to adopt
-        prices, market = spec.config.fault.price_per_hour, self.ray.node_market()
-        my_price = hardware.price_per_hour(prices, self.types[0], market)
-        self.my_price = my_price or 0.0
 
     @property
     def is_chief(self) -> bool:

@@ -101,6 +101,8 @@ class Worker(Rebalancing, Endings):
         # A tensor-parallel group reads the same sequences: data is split over the groups.
         self.data_rank, self.data_world = self.layout.data_rank(rank), self.layout.data_world
         self.types = self.ray.accelerator_types(world, self.device)  # each rank's, on every rank
+        prices, market = cfg.fault.price_per_hour, self.ray.node_market()
+        self.my_price = hardware.price_per_hour(prices, self.types[rank], market) or 0.0  # 0: none
         self.plan = self._initial_plan()
         self.optimizer = hardware.build_adamw(
             self.model.optimizer_groups(cfg.optim.weight_decay),
@@ -227,12 +229,9 @@ class Worker(Rebalancing, Endings):
     def start(self) -> None:
         """Records this worker group's start (events, ledger, first metrics) and announces it."""
         state, plan = self.state, self.plan
-        prices, my_type = self.cfg.fault.price_per_hour, self.types[self.rank]
-        my_price = hardware.price_per_hour(prices, my_type, self.ray.node_market()) or 0.0
         # Each rank's price in its own slot: ranks of one type may sit on spot and on-demand.
-        self.prices = all_reduce(
-            [my_price * (r == self.rank) for r in range(self.world)], self.device
-        )
+        mine = [self.my_price * (r == self.rank) for r in range(self.world)]
+        self.prices = all_reduce(mine, self.device)
         group_price, unpriced = sum(self.prices), sum(price == 0 for price in self.prices)
         if unpriced and self.cfg.budget.max_usd is not None:  # it would cost nothing: refuse
             raise UserError(
