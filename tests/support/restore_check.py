@@ -54,6 +54,9 @@ def main(mode: str, run_dir: Path, out: Path) -> None:
     rank = int(os.environ["RANK"])
     interface = pin_gloo_interface("127.0.0.1")  # every group below binds to it
     dist.init_process_group("gloo", timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    # Built before the ranks meet: AdamW's first construction imports torch._dynamo, which under
+    # CI's load took rank 1 seconds, so its broadcast began late enough not to time out.
+    model, optimizer = _model_and_optimizer(seed=2)  # other weights than the checkpoint's
     if rank == 0:
         _write_checkpoint(run_dir)
     else:  # not a barrier: on a loaded machine the write alone outlasts the 3-second timeout
@@ -63,7 +66,6 @@ def main(mode: str, run_dir: Path, out: Path) -> None:
             time.sleep(0.05)
     seen: dict = {"interface": interface}
     started = time.time()
-    model, optimizer = _model_and_optimizer(seed=2)  # other weights than the checkpoint's
     if mode == "restore":
         choose = restore.restore_newest
 
