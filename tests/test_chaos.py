@@ -73,7 +73,10 @@ def test_node_loss_shrinks_a_sweep_trial_then_it_grows_back(
 
     from raytrain_lm.sweeps import TRIALS_DIR, trial_starts
 
-    steps = 300  # >= 30 s of paced steps: long enough to shrink, then grow, mid-run
+    # >= 90 s of paced steps: long enough to shrink, then grow, mid-run, however slowly a busy
+    # machine starts nodes and workers (at 0.1 s a step the notebook's run once ended first);
+    # the pacing stops once grown.
+    steps = 300
     sweep_file = tmp_path / "spot.yaml"
     sweep_file.write_text(
         "space: {optim.lr: {choice: [0.003]}}\nscheduler: fifo\nmax_concurrent_trials: 1\n"
@@ -86,7 +89,7 @@ def test_node_loss_shrinks_a_sweep_trial_then_it_grows_back(
         "training.eval_every=25",
         "checkpoint.every_steps=25",
     ]
-    monkeypatch.setenv(faults.ENV_VAR, "slow-steps:seconds=0.1")
+    monkeypatch.setenv(faults.ENV_VAR, "slow-steps:seconds=0.3")
     run = Background(lambda: raytrain_lm.sweep(sweep_file, overrides))
     trials = tmp_path / "runs" / "spot" / TRIALS_DIR
     deadline = time.time() + 600

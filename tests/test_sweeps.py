@@ -204,9 +204,9 @@ def test_asha_sweep_interrupted_then_restored_on_a_tracking_server(
     env = {
         **os.environ,
         "RAY_ADDRESS": ray_session.get_runtime_context().gcs_address,
-        # Steps 3-6 of a trial (after its first checkpoint) leave 8 s to interrupt it, even on
+        # Steps 3-6 of a trial (after its first checkpoint) leave 12 s to interrupt it, even on
         # a loaded machine, where Tune takes seconds to act on a SIGINT.
-        "RAYTRAIN_LM_FAULT": "slow-steps:seconds=2",
+        "RAYTRAIN_LM_FAULT": "slow-steps:seconds=3",
     }
     finished_before = _interrupt_once_a_trial_finished_and_another_trains(
         path, mlflow_server.uri, env
