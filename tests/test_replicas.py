@@ -86,7 +86,7 @@ def test_groups_train_on_through_loss_join_heal_kill_and_drain(
     # The first heal after step 20 (the lost group's replacement) is cut short by killing it:
     # the replacement of the replacement heals. Paced so that the incidents, however slowly a
     # busy machine starts nodes and workers, come long before the last step.
-    monkeypatch.setenv(faults.ENV_VAR, "slow-steps:seconds=0.7+kill-while-healing:step=20")
+    monkeypatch.setenv(faults.ENV_VAR, "slow-steps:seconds=0.4+kill-while-healing:step=20")
     run = Background(lambda: raytrain_lm.train(load_config(None, overrides), sample=False))
     wait_for_event(run_dir, _both_groups_stepped, 300, still_running=run)
     killed_at = time.time()
