@@ -165,8 +165,9 @@ def test_resume_is_bit_for_bit(ray_session, tiny_overrides, tmp_path, monkeypatc
     step and the run ends, saying so. Resumed; on the way rank 0 is SIGKILLed half-way
     through writing the step-8 checkpoint, and a planted partial checkpoint (marker present,
     model file cut short) sits newest on disk. The run restarts from the newest complete
-    checkpoint before step 8, never loads a partial one, and ends bit-identical to an uninterrupted run: same weights,
-    same losses at every step, every sequence once, one MLflow run."""
+    checkpoint before step 8, never loads a partial one, and ends bit-identical to an
+    uninterrupted run: same weights, same losses at every step, every sequence once, one
+    MLflow run."""
     import os
     import signal
     import threading
