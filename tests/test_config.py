@@ -45,6 +45,7 @@ def test_overrides_are_typed():
 
 
 LLAMA_TP = ["model.arch=llama", "parallel.strategy=fsdp"]  # where tensor parallelism applies
+DILOCO = ["scaling.fault_tolerance=replicas", "parallel.sync=diloco"]
 
 
 @pytest.mark.parametrize(
@@ -112,6 +113,14 @@ LLAMA_TP = ["model.arch=llama", "parallel.strategy=fsdp"]  # where tensor parall
         (
             ["scaling.fault_tolerance=replicas", "budget.max_usd=9", "fault.price_per_hour={a: 1}"],
             "replica groups cannot keep to it yet",
+        ),
+        (
+            [*DILOCO, "diloco.sync_every=6", "diloco.fragments=4"],
+            "make sync_every (6) a multiple of fragments",
+        ),
+        (
+            [*DILOCO, "diloco.fragments=2", "diloco.full_sync_every=1"],
+            "set it to 2 or more, or diloco.fragments=1",
         ),
     ],
 )

@@ -1,7 +1,7 @@
 """`parallel.sync=diloco` (trainer/diloco.py) on the session's Ray, with no incident: DiLoCo that
 syncs every step with a plain outer step is every-step sync; with H=4, rounds of 4 steps, every
-position once, duties at round ends, and a quarter of the bytes per token; and a group
-killed between two syncs."""
+position once, duties at round ends, and a quarter of the bytes per token; Streaming DiLoCo's
+commit units; and a Streaming DiLoCo group killed between two fragment syncs."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import raytrain_lm
 from raytrain_lm.clusters.multinode import Background, wait_for_event
 from raytrain_lm.config import load_config
 from raytrain_lm.data.ledger import read_ledger
+from raytrain_lm.models import build_model
 from raytrain_lm.runtime import ensure_ray
 from raytrain_lm.trainer import faults
 from raytrain_lm.trainer.checkpoint import complete_checkpoints, read_state
@@ -72,6 +73,36 @@ def test_diloco_h1_is_every_step_sync_and_h4_sends_a_quarter_of_the_bytes(world_
     assert per_sync == pytest.approx(sent / 3, rel=1e-3)  # 3 syncs of the weights
 
 
+def test_streaming_diloco_commits_at_full_syncs_and_sends_what_diloco_sends(world_size_runs):
+    """Streaming DiLoCo: two groups, H=4, 2 fragments, a sync of both every 2 rounds. The
+    12 steps are a unit of 8 (fragment 0 synced alone after step 2, fragment 1 after step 4,
+    both at step 8) and one of 4 (both at its end): every position once, the run's duties at
+    the two unit ends only, and the same bytes as DiLoCo with H=4 (each fragment synced once
+    per 4 steps: three whole models' worth), which a run without the single-fragment syncs
+    would undercut by a third."""
+    common, steps = world_size_runs["common"], world_size_runs["reference"]["steps"]
+    uri = next(o.split("=", 1)[1] for o in common if o.startswith("tracking.uri="))
+    two = [*common, "scaling.fault_tolerance=replicas", "scaling.num_workers=2"]
+    diloco = ["parallel.sync=diloco", f"diloco.sync_every={H}", "diloco.outer_lr=1"]
+    streaming = ["diloco.fragments=2", "diloco.full_sync_every=2", "name=h4-streaming"]
+    summary = raytrain_lm.train(load_config(None, [*two, *diloco, *streaming]), sample=False)
+    assert summary["steps"] == steps and not summary["stopped"]
+    run_dir = world_size_runs["output_dir"] / "h4-streaming"
+    assert read_ledger(run_dir).tolist() == list(range(steps * 12))
+    outer = _metric(uri, summary["mlflow_run_id"], "diloco/outer_step")
+    assert [value for _, value in outer] == [1] * 8 + [2] * 4
+    events = read_events(run_dir)
+    assert [e["step"] for e in events if e["event"] == "checkpoint_saved"] == [8, 12]
+    assert not [e for e in events if e["event"] == "round_retaken"]
+    sent = _metric(uri, summary["mlflow_run_id"], "comm/bytes_sent")[-1][1]
+    per_sync = _metric(uri, summary["mlflow_run_id"], "comm/bytes_per_outer_step")[-1][1]
+    assert per_sync == pytest.approx(sent / 3, rel=1e-3)  # 3 models' worth
+    cfg = load_config(None, common)
+    weights = 4 * sum(p.numel() for p in build_model(cfg.model, 257).parameters())  # fp32
+    assert 3 * weights < sent < 3.01 * weights, sent / weights  # and the losses, checksums
+    assert summary["val_loss"] < 5.0  # ln(257) = 5.55 at the start
+
+
 def test_two_groups_syncing_every_8_steps_learn_within_5_percent_of_ddp(world_size_runs):
     """The learnable corpus (Python's docs), 240 steps of 12 sequences: 2 groups with H=8 and
     plain outer averaging (outer lr 1, no momentum) against 2-worker every-step DDP at the same
@@ -109,14 +140,17 @@ def test_two_groups_syncing_every_8_steps_learn_within_5_percent_of_ddp(world_si
 def test_a_group_killed_between_syncs_loses_no_sequence_and_the_survivor_goes_on(
     tiny_overrides, tmp_path, monkeypatch
 ):
-    """Two groups, H=4, 240 steps paced at 0.3 s until the replacement joined (so that it
-    comes well before the end however slowly it starts): group 1 kills its own process after its
-    sixth inner step, in the middle of the second round. Group 0 finds it gone at the sync:
-    that round does not commit (its positions were not all taken), torchft puts the round's
-    start weights back and group 0 takes the round alone. Ray Train replaces group 1, which
-    heals from group 0 at a sync and commits group 0's round with it (it sends a zero
-    pseudo-gradient; the average is over the group that trained), then takes its share. The
-    run completes, every position exactly once, group 0 in one process."""
+    """Streaming DiLoCo (H=4, 2 fragments, a sync of both every 8 steps), two groups, 240 steps
+    paced at 0.3 s until the replacement joined (so that it comes well before the end however
+    slowly it starts): group 1 kills its own process after its eleventh inner step, in the
+    middle of the second unit (steps 9-16), after fragment 0 synced at step 10. Group 0's sync
+    of fragment 1 at step 12 finds it gone: the unit is lost; at its end group 0 forms a quorum
+    alone, every group votes not to commit, and group 0 puts back the weights and outer
+    optimizers of step 8 and takes the unit alone. Ray Train replaces group 1, which heals
+    from group 0 at a unit's end and commits group 0's unit with it (it sends zero
+    pseudo-gradients; the average is over the group that trained), then takes its share. The
+    run completes, every position exactly once, group 0 in one process. (Plain DiLoCo's kill is
+    the CLI's node-kill test in test_jobs.py.)"""
     run_dir = tmp_path / "runs" / "killed"
     overrides = [
         *tiny_overrides,
@@ -126,6 +160,8 @@ def test_a_group_killed_between_syncs_loses_no_sequence_and_the_survivor_goes_on
         "scaling.max_workers=2",
         "parallel.sync=diloco",
         "diloco.sync_every=4",
+        "diloco.fragments=2",
+        "diloco.full_sync_every=2",
         "training.global_batch_size=12",
         "training.max_steps=240",
         "training.ledger=true",
@@ -133,7 +169,7 @@ def test_a_group_killed_between_syncs_loses_no_sequence_and_the_survivor_goes_on
         "checkpoint.every_steps=80",
         "fault.max_failures=-1",
     ]
-    monkeypatch.setenv(faults.ENV_VAR, "slow-steps:seconds=0.3+kill-in-round:step=6:rank=1")
+    monkeypatch.setenv(faults.ENV_VAR, "slow-steps:seconds=0.3+kill-in-round:step=11:rank=1")
     # Ray started here, not in the run's thread: the processes a local Ray starts are killed
     # when the thread that started them ends (PR_SET_PDEATHSIG), and later tests use that Ray.
     ensure_ray(load_config(None, overrides).scaling)
@@ -159,9 +195,9 @@ def test_a_group_killed_between_syncs_loses_no_sequence_and_the_survivor_goes_on
     healed = [e["healed"] for e in starts if e["group"] == 1]
     assert len(healed) == 2 and healed[-1], healed  # the replacement healed from group 0
     retaken = [e for e in events if e["event"] == "round_retaken"]
-    assert retaken and all(e["step"] % 4 == 0 and e["step"] >= 4 for e in retaken)
+    assert retaken and all(e["step"] % 8 == 0 and e["step"] >= 8 for e in retaken)
     assert all(e["group"] == 0 for e in retaken), retaken  # the join retakes nothing
-    assert list(run_dir.glob("fault-fired-kill-in-round-6-1")), "group 1 was not killed"
+    assert list(run_dir.glob("fault-fired-kill-in-round-11-1")), "group 1 was not killed"
 
 
 class _Group:

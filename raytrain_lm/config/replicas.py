@@ -55,6 +55,12 @@ class DilocoConfig(_Section):
     fragments: int = Field(
         1, ge=1, description="Streaming DiLoCo's model fragments, synced in turn (1: DiLoCo)"
     )
+    full_sync_every: int = Field(
+        4,
+        ge=1,
+        description="with fragments > 1: rounds between two syncs of every fragment at once, "
+        "the points a run commits at (a group lost in between costs up to this many rounds)",
+    )
     join_timeout_s: float = Field(
         120.0,
         gt=0.0,

@@ -211,9 +211,16 @@ class RunConfig(_Section):
 
     def _diloco_fits(self) -> None:
         diloco = self.diloco
-        if diloco.fragments > 1:
+        if diloco.fragments > 1 and diloco.sync_every % diloco.fragments:
             raise ValueError(
-                "diloco.fragments > 1 (Streaming DiLoCo) is not built yet: use diloco.fragments=1"
+                f"diloco.fragments={diloco.fragments} sync in turn, one every "
+                f"diloco.sync_every/fragments steps: make sync_every ({diloco.sync_every}) a "
+                "multiple of fragments"
+            )
+        if diloco.fragments > 1 and diloco.full_sync_every < 2:
+            raise ValueError(
+                "diloco.full_sync_every=1 syncs every fragment at once at every round's end, "
+                "which is plain DiLoCo: set it to 2 or more, or diloco.fragments=1"
             )
         if isinstance(self.scaling.balance, dict):
             raise ValueError(

@@ -21,6 +21,14 @@ those steps (only the weights go back). A group that joins (or, behind, is heale
 takes part in it with nothing trained and a zero pseudo-gradient; the average is scaled to
 one over the groups that trained, and the round commits for everyone.
 
+Streaming DiLoCo (`diloco.fragments` = F > 1, diloco_parts.py): the commit unit is K =
+`diloco.full_sync_every` rounds. Inside it each fragment syncs alone, in turn, every H steps
+(H/F apart), on the unit's quorum; the unit ends in a sync of every fragment with the checks
+above. A failed fragment sync, or a group lost anywhere in the unit, and the unit does not
+commit: every group puts back the weights and outer optimizers of the unit's start (kept in
+memory, and sent to a group that heals) and the new quorum trains the unit again. Groups join
+only at a unit's end. With one fragment a unit is a round, as above.
+
 The round is the unit of the run's duties: logging, evaluation, checkpoints and the stop and
 spot-notice checks happen after a committed round (their cadences are met by the first round
 end at or past each multiple), when every group holds the same weights. Bytes handed to the
@@ -31,7 +39,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -40,8 +48,14 @@ from torch.distributed import ReduceOp
 from raytrain_lm.errors import UserError
 from raytrain_lm.trainer import faults
 from raytrain_lm.trainer.cadence import Cadences, Flags
+from raytrain_lm.trainer.diloco_parts import (
+    CountingManager,
+    InnerAndOuter,
+    UnitStart,
+    model_fragments,
+    unit_schedule,
+)
 from raytrain_lm.trainer.progress import announce
-from raytrain_lm.trainer.quorum import ByteCounter
 from raytrain_lm.trainer.replicas import ReplicaWorker
 from raytrain_lm.trainer.roster import SLOTS_PER_PARTICIPANT, position_checksum, roster_slots
 from raytrain_lm.trainer.step import StepParts, accumulate_gradients, apply_update, step_seed
@@ -49,39 +63,6 @@ from raytrain_lm.trainer.step import StepParts, accumulate_gradients, apply_upda
 if TYPE_CHECKING:
     from raytrain_lm.trainer.loop import RaySide
     from raytrain_lm.trainer.spec import WorkerSpec
-
-
-class CountingManager:
-    """torchft's Manager as DiLoCo's fragment sees it: every call passes through; the bytes
-    each all-reduce hands to the network are counted."""
-
-    def __init__(self, manager, counter: ByteCounter):
-        self._manager, self._counter = manager, counter
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._manager, name)
-
-    def allreduce(self, tensor: torch.Tensor, should_quantize: bool = False, **kwargs):
-        self._counter.add(tensor, 1 if should_quantize else None)  # quantized: fp8 elements
-        return self._manager.allreduce(tensor, should_quantize=should_quantize, **kwargs)
-
-
-class InnerAndOuter:
-    """What a DiLoCo checkpoint holds of its optimizers: the inner AdamW's and the outer SGD's
-    state (at a round's end the weights are the outer ones: nothing else to keep)."""
-
-    def __init__(self, inner: torch.optim.Optimizer, outer: torch.optim.Optimizer):
-        self.inner, self.outer = inner, outer
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"inner": self.inner.state_dict(), "outer": self.outer.state_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if set(state) == {"inner", "outer"}:
-            self.inner.load_state_dict(state["inner"])
-            self.outer.load_state_dict(state["outer"])
-        else:  # a checkpoint of every-step sync: the outer momentum starts from zero
-            self.inner.load_state_dict(state)
 
 
 class DilocoWorker(ReplicaWorker):
@@ -95,19 +76,27 @@ class DilocoWorker(ReplicaWorker):
         if settings.quantize and self.device.type != "cuda":
             raise UserError("diloco.quantize needs CUDA (torchft's fused fp8 kernels)")
         self.sync_every = settings.sync_every
-        self.outer_optimizer = torch.optim.SGD(
-            self.model.parameters(),
-            lr=settings.outer_lr,
-            momentum=settings.outer_momentum,
-            nesterov=settings.outer_momentum > 0,
-        )
-        # Built before the first quorum: it registers the round's start weights and the outer
+        streaming = settings.fragments > 1
+        # A commit unit: the rounds between two syncs of the whole model (diloco_parts.py).
+        self.unit_steps = self.sync_every * (settings.full_sync_every if streaming else 1)
+        fragments = model_fragments(self.model, settings.fragments)
+        # One outer SGD per fragment: a fragment's sync steps only its own parameters.
+        self.outer_optimizers = [
+            torch.optim.SGD(
+                fragment.parameters(),
+                lr=settings.outer_lr,
+                momentum=settings.outer_momentum,
+                nesterov=settings.outer_momentum > 0,
+            )
+            for fragment in fragments
+        ]
+        # Built before the first quorum: it registers each fragment's start weights and outer
         # optimizer with the Manager, so that a group joining at a sync heals them too.
         self.diloco = DiLoCo(
             CountingManager(self.quorum.manager, self.quorum.bytes),
-            [self.model],
+            fragments,
             self.optimizer,
-            self.outer_optimizer,
+            self.outer_optimizers,
             sync_every=self.sync_every,
             backup_device=self.device,
             pin_memory=False,
@@ -117,18 +106,25 @@ class DilocoWorker(ReplicaWorker):
             use_bucketization=True,
             should_quantize=settings.quantize,
         )
-        (self.fragment,) = self.diloco._fragments  # driven here: rounds end where we say
+        self.fragments = self.diloco._fragments  # driven here: syncs happen where we say
+        self.unit_start = (
+            UnitStart(self.model, self.outer_optimizers, self.fragments, self.quorum.manager)
+            if streaming
+            else None  # one fragment: its own saved weights are the round's start
+        )
         self.outer_scale = 1.0
         self.joined_round: tuple[list[float], int, int] | None = None
-        self.outer_optimizer.register_step_pre_hook(self._scale_outer_gradients)
+        for outer in self.outer_optimizers:
+            outer.register_step_pre_hook(self._scale_outer_gradients)
         self.every = _round_cadences(self.every)
         self.outer_steps = 0
-        self.weight_syncs = 0  # syncs that all-reduced the pseudo-gradients
+        self.weight_syncs = 0.0  # the whole model's worth of pseudo-gradients all-reduced
         self.leaves_after_round = False  # this group said at the sync that it leaves
+        self.quorum_stale = False  # groups left since the last quorum (a spot notice)
 
     @property
     def checkpointed_optimizer(self) -> InnerAndOuter:
-        return InnerAndOuter(self.optimizer, self.outer_optimizer)
+        return InnerAndOuter(self.optimizer, self.outer_optimizers)
 
     def restore(self, offered) -> None:
         """Joins the first quorum (super) and takes part in its sync with nothing trained:
@@ -138,9 +134,9 @@ class DilocoWorker(ReplicaWorker):
         duties in the loop's first pass, as they do (`_take_step`)."""
         super().restore(offered)
         if self.healed_at is None:  # restored from a checkpoint (or the seed)
-            self.fragment.save_parameters()
+            self._unit_committed()
         else:  # the peer's weights mid-round: contribute none of them
-            self.fragment.restore_parameters()
+            self._contribute_nothing()
         if not hasattr(self, "seen_participants"):  # start() sets them; a commit here needs them
             self.seen_participants = self.participants
         self.last_commit_t = time.time()
@@ -165,13 +161,14 @@ class DilocoWorker(ReplicaWorker):
     def _checkpoint_now(self) -> None:
         """A checkpoint outside a sync (the Lighthouse lost, too few groups): the weights of
         the last committed round, to which the run's step and position belong."""
-        self.fragment.restore_parameters()
+        self._roll_back()
         super()._checkpoint_now()
 
     # ------------------------------------------------------------------------------ rounds
 
     def _take_step(self, parts: StepParts, batches) -> None:
-        """One round: H inner steps, then the outer sync; taken again until it commits."""
+        """One commit unit: its inner steps (with Streaming DiLoCo, single fragments synced
+        among them), then the sync of the whole model; taken again until it commits."""
         if self.joined_round is not None:  # committed with the others as this group joined
             summed, first, length = self.joined_round
             self.joined_round = None
@@ -181,14 +178,20 @@ class DilocoWorker(ReplicaWorker):
         cfg = self.cfg
         while True:
             first = self.state.step
-            length = min(self.sync_every, self.end_step - first)
+            # After groups left (a spot notice), the unit's quorum still counts them: a single
+            # round, whose sync forms the quorum without them.
+            unit = self.sync_every if self.quorum_stale else self.unit_steps
+            length = min(unit, self.end_step - first)
+            schedule = unit_schedule(length, self.sync_every, len(self.fragments))
             plan, p = self._plan(), self.participant
             assert p is not None, "a group that healed takes part"
             self.plan = plan
             step_parts = replace(parts, plan=plan, rank=p)
             mine = slice(plan.offset(p), plan.offset(p) + plan.shares[p])
             losses, norms, taken = [], [], []
-            waited = 0.0
+            waited, clean = 0.0, True
+            if schedule:
+                self._forget_last_verdict()
             for i in range(length):
                 started = self.tick = time.perf_counter()
                 positions, tokens = next(batches)
@@ -209,9 +212,13 @@ class DilocoWorker(ReplicaWorker):
                         from_step_on=True,
                     )
                 self.pacer.pace(started)  # slow-steps: every inner step (faults.py)
+                if i + 1 in schedule:
+                    clean = self._sync_fragments(schedule[i + 1])
+                    if not clean:  # a group gone, or the link failed: the unit is lost
+                        break
             stop = float(self.is_chief and self._stop_due())
             healed_before = self.healed_at
-            summed, committed, first, length = self._sync(losses, norms, taken, stop)
+            summed, committed, first, length = self._sync(losses, norms, taken, stop, clean, length)
             self.watchdog.beat()
             healed = self.healed_at != healed_before  # it was behind: now where they are
             if committed:
@@ -220,8 +227,8 @@ class DilocoWorker(ReplicaWorker):
                 "round_retaken", group=self.group, step=first, participants=self.participants
             )
             announce(
-                f"round of steps {first + 1}-{first + length} did not commit (a group was "
-                f"lost): {self.participants} group(s) take it again",
+                f"steps {first + 1}-{first + length} did not commit (a group was lost): "
+                f"{self.participants} group(s) take them again",
                 self.is_chief,
             )
             batches = self._read_from_here()
@@ -235,41 +242,42 @@ class DilocoWorker(ReplicaWorker):
         self.batches = self._batches()
         return self.batches
 
-    def _sync(self, losses, norms, taken, stop, trained=True):
-        """The outer sync of this group's round: a quorum, the pseudo-gradients averaged
-        (torchft's fragment), and beside them the round's losses, the checksum of the
-        positions taken, how many groups trained, the stop flag and who trained (roster.py).
-        It commits when the groups that trained took the round's positions exactly once; the
-        average, over everyone in the quorum (torchft's), is then scaled to one over those
-        that trained (a group that joined at this sync sent zeros). Every group of the quorum
-        decides alike. A group healed by this quorum (it was behind) trained nothing the
-        others did: it takes part as a joiner. Returns the summed values, whether the round
-        committed, and the round's first step and length."""
-        g, h = self.cfg.training.global_batch_size, self.sync_every
+    def _sync(self, losses, norms, taken, stop, clean=True, length=0, trained=True):
+        """The sync at the end of this group's unit: a quorum, the pseudo-gradients of every
+        fragment averaged (torchft's fragments), and beside them the unit's losses, the
+        checksum of the positions taken, how many groups trained, the stop flag, who trained
+        (roster.py), whether each trainer's fragment syncs inside the unit all committed, and
+        the unit's length. It commits when the groups that trained took the unit's positions
+        exactly once and all their syncs committed; the average, over everyone in the quorum
+        (torchft's), is then scaled to one over those that trained (a group that joined at
+        this sync sent zeros). Every group of the quorum decides alike. A group healed by this
+        quorum (it was behind) trained nothing the others did: it takes part as a joiner.
+        Returns the summed values, whether the unit committed, its first step and length."""
+        g, u = self.cfg.training.global_batch_size, self.unit_steps
         trained_as, healed_before = self.participant, self.healed_at
         if trained:  # else the quorum restore() just formed, which the others are in
             self.participant, self.participants = self.quorum.form()
+            self.quorum_stale = False
         # A spot notice that came by now (also while waiting for the quorum) is announced at
-        # this sync, so that the next round is planned without this group.
+        # this sync, so that the next unit is planned without this group.
         leaving = trained and self._drained()
         if self.healed_at != healed_before:
-            self.fragment.restore_parameters()
+            self._contribute_nothing()
             trained = False
         first = self.state.step
-        length = min(h, self.end_step - first)
         if not trained:
-            losses = norms = [torch.zeros((), device=self.device)] * h
-            taken, stop, leaving = [], 0.0, False
-        pad = [0.0] * (h - len(losses))
+            losses = norms = [torch.zeros((), device=self.device)] * u
+            taken, stop, leaving, clean, length = [], 0.0, False, False, 0
+        pad = [0.0] * (u - len(losses))
         checksum = position_checksum(np.concatenate(taken)) if taken else [0.0] * 3
         roster = (
             roster_slots(trained_as, self.groups, self.types[0], self.my_price)
             if trained
             else [0.0] * SLOTS_PER_PARTICIPANT * self.groups
         )
-        leavers = [0.0] * self.groups  # by place in this quorum: who leaves after this round
+        leavers = [0.0] * self.groups  # by place in this quorum: who leaves after this unit
         leavers[self.participant] = float(leaving)
-        host = [*checksum, float(trained), stop, *roster, *leavers]
+        host = [*checksum, float(trained), stop, *roster, *leavers, float(clean), length]
         values = torch.cat(
             [
                 torch.stack(losses).double().reshape(-1),
@@ -284,33 +292,89 @@ class DilocoWorker(ReplicaWorker):
         # weights' all-reduce is skipped by every group alike).
         manager.allreduce(values, reduce_op=ReduceOp.SUM).wait()
         summed = values.tolist()
-        trainers = summed[2 * h + 3]
+        trainers = summed[2 * u + 3]
         if manager.errored() is not None or trainers < 1:
             # The reduction failed (its values are not to be trusted), or nobody trained.
             manager.report_error(RuntimeError("nothing to commit at this sync"))
             manager.should_commit()
             if trained:
-                self.fragment.restore_parameters()
+                self._roll_back()
             return summed, False, first, length
+        length = round(summed[-1] / trainers)  # a joiner knows it from those who trained
         self.weight_syncs += 1  # committed or not, the link carried it
-        self.fragment.prepare_sync()
+        for fragment in self.fragments:  # all in flight before any is waited for
+            fragment.prepare_sync()
         wanted = position_checksum(np.arange(first * g, (first + length) * g, dtype=np.int64))
-        if summed[2 * h : 2 * h + 3] != wanted:
-            manager.report_error(RuntimeError("the round's positions were not all taken once"))
+        if summed[2 * u : 2 * u + 3] != wanted or round(summed[-2]) != round(trainers):
+            manager.report_error(RuntimeError("the unit's positions were not all taken once"))
         self.outer_scale = self.participants / trainers
-        committed = self.fragment.perform_sync()
+        committed = all([fragment.perform_sync() for fragment in self.fragments])
+        if not committed:
+            self._roll_back()
+        elif self.unit_start is not None:
+            self.unit_start.take()
         return summed, committed, first, length
+
+    def _sync_fragments(self, ids: list[int]) -> bool:
+        """Single fragments synced inside a unit (Streaming DiLoCo), on the quorum of the
+        unit's start, which every group of the unit trains in: a group that joins waits for the
+        unit's end, and a group lost makes the all-reduce fail. Whether each committed: if not,
+        the unit is lost for this group (the sync at its end tells the others)."""
+        self.outer_scale = 1.0
+        for index in ids:
+            self.fragments[index].prepare_sync()
+        self.weight_syncs += len(ids) / len(self.fragments)
+        committed = all([self.fragments[index].perform_sync() for index in ids])
+        self._pin_manager_step()
+        return committed
+
+    def _forget_last_verdict(self) -> None:
+        """A unit's fragment syncs use the quorum of the sync before it, where torchft's Manager
+        still holds that sync's error if it did not commit (only a new quorum clears it: every
+        all-reduce and commit would fail until then). A failure of that quorum's process
+        groups is still reported: the Manager asks them at each commit."""
+        self.quorum.manager._errored = None
+
+    def _unit_committed(self) -> None:
+        """This point is a sync of the whole model: what a unit that fails goes back to."""
+        for fragment in self.fragments:
+            fragment.save_parameters()
+        if self.unit_start is not None:
+            self.unit_start.take()
+
+    def _roll_back(self) -> None:
+        """The weights (with fragments, also the outer optimizers) of the last full sync."""
+        if self.unit_start is None:
+            self.fragments[0].restore_parameters()
+        else:
+            self.unit_start.put_back()
+        self._pin_manager_step()
+
+    def _contribute_nothing(self) -> None:
+        """Healed from a peer in the middle of its unit: each fragment's weights set to those
+        of its last sync, so that this group's pseudo-gradients are zero."""
+        for fragment in self.fragments:
+            fragment.restore_parameters()
+
+    def _pin_manager_step(self) -> None:
+        """The Manager's step is the run's committed step (a fragment's sync inside a unit
+        advanced it): the quorum heals a group that is behind by comparing those."""
+        manager = self.quorum.manager
+        manager.load_state_dict(
+            {"step": self.state.step, "batches_committed": manager.batches_committed()}
+        )
 
     def _scale_outer_gradients(self, *_args) -> None:
         """The outer optimizer's step pre-hook: torchft's average over the quorum, made one
         over the groups that trained; and the configured outer settings, which a checkpoint's
         or a peer's optimizer state would otherwise bring back."""
         settings = self.cfg.diloco
-        for group in self.outer_optimizer.param_groups:
+        groups = [group for outer in self.outer_optimizers for group in outer.param_groups]
+        for group in groups:
             group["lr"], group["momentum"] = settings.outer_lr, settings.outer_momentum
             group["nesterov"] = settings.outer_momentum > 0
         if self.outer_scale != 1.0:
-            for group in self.outer_optimizer.param_groups:
+            for group in groups:
                 for param in group["params"]:
                     if param.grad is not None:
                         param.grad.mul_(self.outer_scale)
@@ -320,15 +384,16 @@ class DilocoWorker(ReplicaWorker):
         advances by its steps, its positions go into the ledger, its steps' summed losses into
         the metrics; the Manager's step follows the run's, as with every-step sync (a group
         that restores a checkpoint, or heals, compares those)."""
-        cfg, state, h = self.cfg, self.state, self.sync_every
+        cfg, state, u = self.cfg, self.state, self.unit_steps
         g = cfg.training.global_batch_size
-        trainers = max(1, round(summed[2 * h + 3]))
+        trainers = max(1, round(summed[2 * u + 3]))
         self.outer_steps += 1
         self._note_membership(first + length)
-        self.stop_seen = summed[2 * h + 4] > 0
-        roster = summed[2 * h + 5 :]
+        self.stop_seen = summed[2 * u + 4] > 0
+        roster = summed[2 * u + 5 :]
         self._note_roster(roster[: SLOTS_PER_PARTICIPANT * trainers])
-        self._plan_without_leavers(roster[SLOTS_PER_PARTICIPANT * self.groups :])
+        slots = SLOTS_PER_PARTICIPANT * self.groups
+        self._plan_without_leavers(roster[slots : slots + self.groups])
         for i in range(length):
             state.step += 1
             state.tokens += self.tokens_per_step
@@ -342,12 +407,9 @@ class DilocoWorker(ReplicaWorker):
                 "diloco/outer_step": self.outer_steps,
             }
             loss = torch.tensor(summed[i], device=self.device)
-            norm = torch.tensor(summed[h + i] / trainers, device=self.device)
+            norm = torch.tensor(summed[u + i] / trainers, device=self.device)
             self.pending.add(state.step, loss, norm, metrics, waited if i == 0 else 0.0)
-        manager = self.quorum.manager
-        manager.load_state_dict(
-            {"step": state.step, "batches_committed": manager.batches_committed()}
-        )
+        self._pin_manager_step()
 
     def _drained(self) -> bool:
         """Whether this group's node is being drained (a spot notice), asked on the cadence of
@@ -386,6 +448,7 @@ class DilocoWorker(ReplicaWorker):
             self.leaves_after_round, self.participant = True, None
             return
         staying = [i for i in range(self.participants) if i not in leaving]
+        self.quorum_stale = True
         self.participant, self.participants = staying.index(self.participant), len(staying)
 
 
