@@ -13,11 +13,13 @@ import raytrain_lm
 from raytrain_lm.clusters.multinode import Background, wait_for_event
 from raytrain_lm.config import load_config
 from raytrain_lm.data.ledger import read_ledger
+from raytrain_lm.errors import UserError
 from raytrain_lm.models import build_model
 from raytrain_lm.runtime import ensure_ray
 from raytrain_lm.trainer import faults
 from raytrain_lm.trainer.checkpoint import complete_checkpoints, read_state
 from raytrain_lm.trainer.diloco import DilocoWorker
+from raytrain_lm.trainer.diloco_parts import model_fragments, unit_schedule
 from raytrain_lm.trainer.goodput import read_events
 
 H = 4
@@ -234,3 +236,24 @@ def test_groups_close_up_around_a_drained_one_and_the_chief_ends_an_all_drained_
     group = _Group(1, 2)
     group._plan_without_leavers([0.0, 0.0])
     assert (group.participant, group.participants, group.leaves_after_round) == (1, 2, False)
+
+
+def test_streaming_units_sync_each_fragment_once_per_round_and_fragments_balance():
+    """A unit of 2 rounds (H=4, 2 fragments) syncs fragment 0 after 2 steps and fragment 1
+    after 4, then both at its end; a unit of one round syncs nothing inside; a short last unit
+    only what leaves a round after it. Fragments are contiguous runs of the model's tensors,
+    every parameter in exactly one, of about equal size; more fragments than tensors are
+    refused."""
+    assert unit_schedule(8, 4, 2) == {2: [0], 4: [1]}
+    assert unit_schedule(4, 4, 2) == {}
+    assert unit_schedule(10, 4, 2) == {2: [0], 4: [1], 6: [0]}
+    assert unit_schedule(16, 8, 4) == {2: [0], 4: [1], 6: [2], 8: [3]}
+    cfg = load_config(None, ["model.n_layer=4"])
+    model = build_model(cfg.model, 257)
+    fragments = model_fragments(model, 3)
+    ids = [id(p) for f in fragments for p in f.parameters()]
+    assert ids == [id(p) for p in model.parameters()]  # the same tensors, in order, once
+    sizes = [sum(p.numel() for p in f.parameters()) for f in fragments]
+    assert max(sizes) < 1.6 * min(sizes), sizes
+    with pytest.raises(UserError, match="more than the model's"):
+        model_fragments(model, 1000)
