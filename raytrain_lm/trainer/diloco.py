@@ -301,12 +301,17 @@ class DilocoWorker(ReplicaWorker):
                 self._roll_back()
             return summed, False, first, length
         length = round(summed[-1] / trainers)  # a joiner knows it from those who trained
-        self.weight_syncs += 1  # committed or not, the link carried it
-        for fragment in self.fragments:  # all in flight before any is waited for
-            fragment.prepare_sync()
         wanted = position_checksum(np.arange(first * g, (first + length) * g, dtype=np.int64))
         if summed[2 * u : 2 * u + 3] != wanted or round(summed[-2]) != round(trainers):
+            # Every group sees the same sums and skips the weights' all-reduce alike: over a
+            # slow link a unit known to be lost would cost a model's worth of bytes more.
             manager.report_error(RuntimeError("the unit's positions were not all taken once"))
+            manager.should_commit()
+            self._roll_back()
+            return summed, False, first, length
+        self.weight_syncs += 1
+        for fragment in self.fragments:  # all in flight before any is waited for
+            fragment.prepare_sync()
         self.outer_scale = self.participants / trainers
         committed = all([fragment.perform_sync() for fragment in self.fragments])
         if not committed:
