@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed-stamp
 # The CPU wheel of torch; on a GPU machine use e.g. `make demo TORCH_SPEC=torch`.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install demo test lint format benchmark gpu-wheels clean
+.PHONY: install demo notebooks test lint format benchmark gpu-wheels clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
@@ -26,6 +26,24 @@ install: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/raytrain-lm train
+
+# JupyterLab on the notebooks, from this venv: the `notebooks` extra (JupyterLab, with
+# nbconvert), installed once. JUPYTER_PATH puts this venv's kernelspec first, so the notebooks'
+# `python3` kernel is this venv's Python even where a user's own `python3` kernelspec exists.
+# The server's root is the checkout: the notebooks show ../docs/images. As root (a container)
+# Jupyter refuses to start without --allow-root. JUPYTER_ARGS adds options, e.g.
+# `make notebooks JUPYTER_ARGS="--no-browser --port 8899"`.
+NOTEBOOKS_STAMP := $(VENV)/.notebooks-stamp
+JUPYTER_ARGS ?=
+$(NOTEBOOKS_STAMP): $(STAMP)
+	$(PY) -m pip install -q --no-compile -e ".[dev,notebooks]"
+	$(PY) -m compileall -q -j 0 -x '/tests/' "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" > /dev/null || true
+	@touch $(NOTEBOOKS_STAMP)
+
+notebooks: $(NOTEBOOKS_STAMP)
+	JUPYTER_PATH="$(abspath $(VENV))/share/jupyter" $(VENV)/bin/jupyter lab \
+		--ServerApp.root_dir=. $$(test "$$(id -u)" = 0 && echo --allow-root) $(JUPYTER_ARGS) \
+		notebooks/01_quickstart.ipynb
 
 # Tests that start Rays of their own (chaos: a multi-node Ray whose nodes they kill, drain and
 # bring back, under both fault-tolerance modes; own_ray: a cluster, a notebook kernel or a CLI
