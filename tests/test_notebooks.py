@@ -3,9 +3,11 @@ folder as Jupyter runs them, and are committed without outputs.
 
 Nothing is injected: the one switch is the environment variable each notebook documents,
 `RAYTRAIN_LM_NOTEBOOK_SMALL=1`, which makes it a smoke test of a tiny model. The folder is a
-copy of notebooks/ with the repository's experiments/ beside it, so every relative path in a
-notebook (`runs`, `data`, `sqlite:///mlflow.db`, `../experiments/...`) names what it names in
-the repository, and what the notebook writes stays in the test's temporary folder.
+copy of notebooks/ in a folder standing for the checkout, with the repository's experiments/
+beside it, so every relative path in a notebook (`../runs`, `../data`,
+`sqlite:///../mlflow.db`, `../experiments/...`) names what it names in the repository (the
+checkout's own runs, prepared data and MLflow store, shared with the CLI), and what the
+notebook writes stays in the test's temporary folder.
 
 What a notebook prints is checked as a user reads it: the lines it promises, and none of the
 noise that Ray prints around a run in a notebook (`assert_quiet`; raytrain_lm/console.py).
@@ -21,6 +23,8 @@ import json
 import os
 import re
 import shutil
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -157,6 +161,19 @@ def tracking_uri(run_dir: Path) -> str:
     return json.loads((run_dir / "tracking.json").read_text())["tracking_uri"]
 
 
+def checkout_store(notebooks_dir: Path) -> str:
+    """The store `raytrain-lm train` in the checkout logs to, which the README's `mlflow ui`
+    opens: the notebooks' runs must land there too."""
+    return f"sqlite:///{notebooks_dir.parent / 'mlflow.db'}"
+
+
+def assert_nothing_written_beside_the_notebooks(notebooks_dir: Path) -> None:
+    """Runs, data and stores of their own in notebooks/ would be a second place for results."""
+    strays = [p.name for p in notebooks_dir.iterdir() if p.name in ("runs", "data", "mlruns")]
+    strays += [p.name for p in notebooks_dir.glob("*.db")]
+    assert not strays, f"written in notebooks/ instead of the checkout: {strays}"
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_committed_notebooks_have_no_outputs_and_document_the_small_switch(path):
     nb = nbformat.read(path, as_version=4)
@@ -177,6 +194,32 @@ def test_every_notebook_is_tested():
     assert names == {"01_quickstart.ipynb", "02_sweeps.ipynb", "03_elastic.ipynb"}
 
 
+def test_make_notebooks_opens_them_in_jupyterlab_on_this_venvs_kernel(monkeypatch):
+    """`make notebooks` (what the README says) installs the `notebooks` extra, JupyterLab, and
+    opens the quickstart with the checkout as the server's root (the notebooks show
+    ../docs/images); the kernel the notebooks name is this venv's Python, whatever `python3`
+    kernelspec a user has elsewhere."""
+    from jupyter_client.kernelspec import KernelSpecManager
+
+    extra = re.search(r"^notebooks = \[(.*)\]$", (ROOT / "pyproject.toml").read_text(), re.M)
+    assert extra and '"jupyterlab' in extra.group(1), "no `notebooks` extra with JupyterLab"
+    planned = subprocess.run(
+        ["make", "-n", "-B", "notebooks"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout
+    assert '-e ".[dev,notebooks]"' in planned, planned
+    launch = planned[planned.index("JUPYTER_PATH=") :]
+    jupyter_path = re.match(r'JUPYTER_PATH="([^"]+)"', launch).group(1)
+    assert Path(jupyter_path) == Path(sys.prefix) / "share" / "jupyter"
+    assert "--ServerApp.root_dir=." in launch and "notebooks/01_quickstart.ipynb" in launch
+    monkeypatch.setenv("JUPYTER_PATH", jupyter_path)
+    for path in NOTEBOOKS:
+        kernel = nbformat.read(path, as_version=4).metadata.kernelspec.name
+        spec = KernelSpecManager().get_kernel_spec(kernel)
+        assert Path(spec.resource_dir).is_relative_to(sys.prefix), (path.name, spec.resource_dir)
+        # jupyter_client starts a spec's bare `python` as its own interpreter: this venv's
+        assert spec.argv[0] in ("python", sys.executable), spec.argv
+
+
 def test_the_sweep_file_shown_is_the_one_the_sweeps_notebook_runs():
     nb = nbformat.read(ROOT / "notebooks" / "02_sweeps.ipynb", as_version=4)
     shown = next(c.source for c in nb.cells if c.source.startswith("## The sweep file"))
@@ -192,21 +235,30 @@ def test_quickstart(kernel, notebooks_dir):
     started = outputs_text(cell_with(nb, "ray.init("))
     assert "Started a local Ray instance. View the dashboard at http" in started, started
     prepared = outputs_text(cell_with(nb, "prepare(cfg.data)"))
-    assert re.search(r"^data/\w+: [\d,]+ train / [\d,]+ val tokens$", prepared, re.M), prepared
+    assert re.search(r"^\.\./data/\w+: [\d,]+ train / [\d,]+ val tokens$", prepared, re.M), prepared
     steps = 12
     trained = outputs_text(cell_with(nb, "raytrain_lm.train("))
     assert f"{steps}/{steps} | loss" in trained, "no live progress line in the training cell"
     assert f"'steps': {steps}" in trained
     # Ray Train's workers run elsewhere: a relative store must still be this folder's.
     assert "dropped metrics" not in trained, trained
-    run_dir = notebooks_dir / "runs" / "quickstart"
-    assert tracking_uri(run_dir) == f"sqlite:///{notebooks_dir / 'mlflow.db'}"
+    run_dir = notebooks_dir.parent / "runs" / "quickstart"
+    assert tracking_uri(run_dir) == checkout_store(notebooks_dir)
     assert has_image(cell_with(nb, "plt.subplots")), "the loss plot was not displayed"
+    # What the README says to run in the checkout, and the link to the training view.
+    look = outputs_text(cell_with(nb, "where_to_look("))
+    assert re.fullmatch(
+        r"MLflow: `mlflow ui --backend-store-uri sqlite:///mlflow\.db`, then open "
+        r"http://127\.0\.0\.1:5000/#/experiments/\d+/runs\?workflowType=machine_learning"
+        r"&compareRunsMode=CHART&viewStateShareKey=training\n",
+        look,
+    ), look
     sample = outputs_text(cell_with(nb, "raytrain_lm.sample("))
     assert sample.startswith("def ") and len(sample) > len("def ")
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == steps and summary["mlflow_run_id"]
-    assert (notebooks_dir / "data").is_dir(), "the prepared data is not next to the notebook"
+    assert (notebooks_dir.parent / "data").is_dir(), "the prepared data is not the checkout's"
+    assert_nothing_written_beside_the_notebooks(notebooks_dir)
 
 
 @pytest.mark.own_ray
@@ -220,8 +272,9 @@ def test_sweeps(kernel, notebooks_dir):
     assert has_image(cell_with(nb, "metric_history(")), "trial curves: no plot"
     best = outputs_text(cell_with(nb, "raytrain_lm.sample("))
     assert re.match(r"best trial \S+: val loss \d", best) and "\ndef " in best, best
-    sweep = json.loads((notebooks_dir / "runs" / "small-sweep" / "sweep.json").read_text())
-    assert sweep["tracking_uri"] == f"sqlite:///{notebooks_dir / 'mlflow.db'}"
+    sweep = json.loads((notebooks_dir.parent / "runs" / "small-sweep" / "sweep.json").read_text())
+    assert sweep["tracking_uri"] == checkout_store(notebooks_dir)
+    assert_nothing_written_beside_the_notebooks(notebooks_dir)
 
 
 @pytest.mark.chaos
@@ -230,10 +283,11 @@ def test_elastic(kernel, notebooks_dir):
     # A node is killed on purpose: Ray reports it, as any node loss, with the raylet's last log
     # lines (some alike) and the workers' errors. That report stays; the noise must not.
     assert_quiet(nb, repeats=None)
-    (run_dir,) = (notebooks_dir / "runs").glob("elastic-*")
+    (run_dir,) = (notebooks_dir.parent / "runs").glob("elastic-*")
     sizes = [s["world_size"] for s in segments(run_dir)]
     assert sizes[0] == 3 and 2 in sizes and sizes[-1] == 3, sizes
     ledger = outputs_text(cell_with(nb, "read_ledger(run_dir)"))
     assert "repeated: 0, skipped: 0" in ledger, ledger
     assert has_image(cell_with(nb, "twinx()")), "loss and world size: no plot"
-    assert tracking_uri(run_dir) == f"sqlite:///{notebooks_dir / 'mlflow.db'}"
+    assert tracking_uri(run_dir) == checkout_store(notebooks_dir)
+    assert_nothing_written_beside_the_notebooks(notebooks_dir)

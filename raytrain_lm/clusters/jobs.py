@@ -17,6 +17,7 @@ import shlex
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 from raytrain_lm.clusters.autoscaling import read_state
 from raytrain_lm.errors import UserError
@@ -25,8 +26,9 @@ from raytrain_lm.trainer.stopping import STOP_ACKNOWLEDGED
 
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
 # Ray refuses uploads over 100 MiB; datasets, runs and environments are the usual culprits.
-# Run and data folders go wherever they are (a notebook's runs land in notebooks/runs), except
-# the package's own data code. Gitignore patterns: the last one matching a path decides.
+# Run and data folders go wherever they are (not only at the top: notebooks/runs of an older
+# checkout), except the package's own data code. Gitignore patterns: the last one matching a
+# path decides.
 UPLOAD_EXCLUDES = [
     ".git",
     ".venv",
@@ -69,6 +71,49 @@ def resolve_address(address: str | None) -> str:
     if not chosen.startswith(("http://", "https://")):
         chosen = f"http://{chosen}"
     return chosen
+
+
+def head_runs_here(url: str) -> bool:
+    """Whether the job server at `url` is a Ray dashboard running on this machine (as for
+    `raytrain-lm cluster up`), so that the cluster's processes see this machine's files. A
+    loopback address alone does not say it: a `ray dashboard` tunnel or a `kubectl
+    port-forward` to a remote head listens there too, in a process that is not Ray's."""
+    import psutil
+
+    parsed = urlparse(url)
+    if parsed.hostname not in ("127.0.0.1", "localhost", "::1") or parsed.port is None:
+        return False
+    try:
+        connections = psutil.net_connections(kind="tcp")
+    except psutil.Error:
+        return False
+    for connection in connections:
+        if connection.status != psutil.CONN_LISTEN or connection.laddr.port != parsed.port:
+            continue
+        try:
+            command = psutil.Process(connection.pid).cmdline() if connection.pid else []
+        except psutil.Error:
+            continue
+        if any(part.endswith(os.path.join("ray", "dashboard", "dashboard.py")) for part in command):
+            return True
+    return False
+
+
+def default_storage(address: str | None, working_dir: str | Path) -> str:
+    """Where a job's relative outputs go when `--storage` is not given. On a cluster whose
+    head runs on this machine (`raytrain-lm cluster up`): the submitting working directory,
+    whose runs/, data/ and mlflow.db `raytrain-lm train` and the notebooks use too, so a job
+    resumes the run of its name in this checkout and never another clone's. On any other
+    cluster: DEFAULT_STORAGE, a folder on its head."""
+    if not head_runs_here(resolve_address(address)):
+        return DEFAULT_STORAGE
+    here = str(Path(working_dir).resolve())
+    if not _SAFE_STORAGE.fullmatch(here):
+        raise UserError(
+            f"the working dir {here} has characters a job's command line cannot carry; "
+            f"choose where the job writes with --storage DIR"
+        )
+    return here
 
 
 def client(address: str | None):
@@ -175,12 +220,14 @@ def submit(
     overrides: list[str],
     address: str | None = None,
     working_dir: str | Path = ".",
-    storage: str = DEFAULT_STORAGE,
+    storage: str | None = None,
     job_id: str | None = None,
 ) -> dict[str, str]:
+    """Submits `train` as a job; `storage` None: `default_storage`'s choice."""
     working = Path(working_dir)
     if not working.is_dir():
         raise UserError(f"working dir not found: {working_dir}")
+    storage = storage or default_storage(address, working)
     command, cfg = entrypoint(config, overrides, working, storage)
     jobs = client(address)
     submission_id = job_id or f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -218,7 +265,12 @@ def submit(
                 time.sleep(3)
                 continue
             raise UserError(f"submit failed: {_first_line(exc)}") from None
-    return {"job_id": submitted, "entrypoint": command, "address": resolve_address(address)}
+    return {
+        "job_id": submitted,
+        "entrypoint": command,
+        "address": resolve_address(address),
+        "storage": check_storage(storage),
+    }
 
 
 def status(job_id: str, address: str | None = None) -> dict[str, Any]:
