@@ -171,8 +171,12 @@ def where_to_look(uri: str, mlflow_run_id: str, working_dir: str | Path = ".") -
     """One line: how to open the run's experiment in MLflow's UI."""
     from mlflow.tracking import MlflowClient
 
-    experiment_id = MlflowClient(tracking_uri=uri).get_run(mlflow_run_id).info.experiment_id
     command = ui_command(uri, working_dir)
+    try:
+        experiment_id = MlflowClient(tracking_uri=uri).get_run(mlflow_run_id).info.experiment_id
+    except Exception:
+        # A store gone after the run ended (its metrics are spooled): the command still holds.
+        return f"MLflow: `{command}`" if command else f"MLflow: {uri}"
     if command is None:
         return f"MLflow: {experiment_link(experiment_id, uri)}"
     return f"MLflow: `{command}`, then open {experiment_link(experiment_id)}"

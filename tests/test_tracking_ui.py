@@ -148,6 +148,9 @@ def test_a_run_ends_with_the_command_and_link_to_look_at_it(store, tmp_path, mon
     # From another folder the store is named whole; a server is its own UI.
     assert ui_command(store, tmp_path) == f"mlflow ui --backend-store-uri {store}"
     assert ui_command("http://127.0.0.1:5001", tmp_path) is None
+    # A run the store cannot show now still gets the command, and the CLI no traceback.
+    gone = where_to_look(store, "0" * 32, working_dir=tmp_path)
+    assert gone == f"MLflow: `mlflow ui --backend-store-uri {store}`"
 
 
 def test_artifacts_sit_beside_the_sqlite_store_whoever_made_the_experiment(
