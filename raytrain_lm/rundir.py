@@ -15,7 +15,9 @@ per object, and a checkpoint's marker written last.
 - `ledger/`: the sequence positions each rank consumed, one object per rank and interval;
 - `summary.json`: the figures of the finished run (driver);
 - `STOP`: a stop request from the driver, read by rank 0 (trainer/signals.py);
-- `checkpoint_manager_snapshot.json`: Ray Train's own list of reported checkpoints.
+- `checkpoint_manager_snapshot.json`: Ray Train's own list of reported checkpoints;
+- `lease/`: the claims of the driver that writes the run, one object each (runlease.py):
+  while a run trains, a second run of its name is refused.
 
 Runs written before the event log became one object per event have `events.jsonl` instead;
 it is still read.
@@ -55,6 +57,7 @@ STOP_FILE = "STOP"
 LEDGER_DIR = "ledger"
 CHECKPOINT_PREFIX = "checkpoint_"
 RAY_TRAIN_SNAPSHOT = "checkpoint_manager_snapshot.json"
+LEASE_DIR = "lease"
 
 T = TypeVar("T")
 
