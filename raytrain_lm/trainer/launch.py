@@ -32,6 +32,7 @@ from raytrain_lm.rundir import (
     RunDir,
     is_uri,
 )
+from raytrain_lm.runlease import RunLease
 from raytrain_lm.runtime import ensure_ray
 from raytrain_lm.storage import check_writable
 from raytrain_lm.tokenization import load_tokenizer
@@ -40,8 +41,6 @@ from raytrain_lm.trainer import faults, signals
 from raytrain_lm.trainer.budget import refuse_if_spent
 from raytrain_lm.trainer.capacity import create_capacity_view, refresh_capacity_view
 from raytrain_lm.trainer.checkpoint import (
-    MODEL_FILE,
-    TrainState,
     check_strategy_resumes,
     ever_checkpointed,
     latest_complete_checkpoint,
@@ -49,8 +48,9 @@ from raytrain_lm.trainer.checkpoint import (
 )
 from raytrain_lm.trainer.deadline import CAPACITY
 from raytrain_lm.trainer.fit import fit
-from raytrain_lm.trainer.goodput import append_event, close_previous_segment, read_events, summarize
+from raytrain_lm.trainer.goodput import append_event, read_events
 from raytrain_lm.trainer.plan import end_step
+from raytrain_lm.trainer.publish import finished_summary, publish, read_summary
 from raytrain_lm.trainer.spec import TrackingTarget, WorkerSpec
 from raytrain_lm.trainer.stopping import GracefulStop
 from raytrain_lm.trainer.storage_checks import check_nodes_see
@@ -68,86 +68,106 @@ def train(
     callbacks: list | None = None,
     may_change: tuple[str, ...] = (),
     reports: Any = None,
+    lease: RunLease | None = None,
 ) -> dict[str, Any]:
     """Runs (or resumes) `cfg` to completion and returns the summary dict.
 
     A sweep trial passes its sweep's MLflow `parent_run_id`, `tags` for its MLflow run, extra
     Ray Train `callbacks` (its report to Tune; replica groups put theirs in the `reports`
-    queue themselves) and, under PBT, the keys it `may_change` when it resumes (a
-    perturbation). A run stopped on request (`raytrain-lm stop`, SIGTERM, Ctrl-C) returns its
-    summary at the stop's checkpoint with `stopped: true`; one that spent `budget.max_usd`,
-    with `stopped: "budget"`.
+    queue themselves), under PBT the keys it `may_change` when it resumes (a perturbation),
+    and the `lease` on the run it holds already. A run stopped on request (`raytrain-lm
+    stop`, SIGTERM, Ctrl-C) returns its summary at the stop's checkpoint with `stopped:
+    true`; one that spent `budget.max_usd`, with `stopped: "budget"`. A run that had trained
+    to its end returns its summary as it finished, changing nothing.
+
+    One process writes a run: its lease (runlease.py) is taken before anything of the run is
+    written and held until it ends; while it is held, another run of the name is refused.
     """
     started = time.time()
     # Workers, trials and job drivers run in working directories of their own: every path
     # and the tracking store are pinned here, where the user's working directory is known.
-    cfg = apply_init_from(cfg.resolved())
+    cfg = cfg.resolved()
     run_dir = RunDir.of(cfg.output_dir, cfg.name)
     _check_writable(cfg.output_dir)
-    _check_resume_compatible(cfg, run_dir, may_change)
-    check_inputs(cfg.data)  # what can be refused without Ray, before starting it
-    if not cfg.data.prepared:
-        _connect(cfg)  # sized for training, before prepare's Ray Data job would start a Ray
-    data_dir = _prepared_data(cfg)
-    _connect(cfg)
-    check_nodes_see(cfg, data_dir)
+    if lease is not None and lease.run_dir != run_dir:
+        raise ValueError(f"a lease on {lease.run_dir} cannot cover the run in {run_dir}")
+    owned = lease is None  # else the caller (a sweep trial) took it and releases it
+    with RunLease(run_dir, cfg.name) if owned else contextlib.nullcontext(lease) as held:
+        held.on_lost = lambda: signals.request_stop(run_dir, why="lease_lost")
+        cfg = apply_init_from(cfg)
+        _check_resume_compatible(cfg, run_dir, may_change)
+        previous = latest_complete_checkpoint(run_dir)
+        state = read_state(previous) if previous is not None else None
+        finished = None
+        if state is not None and state.step >= end_step(cfg.training):
+            finished = finished_summary(run_dir, previous)
+        if finished is not None:
+            print(f"[raytrain-lm] run '{cfg.name}' already trained to step {state.step}: "
+                  f"nothing to do (its summary: {run_dir.at(SUMMARY_FILE)})", flush=True)  # fmt: skip
+            return finished
+        check_inputs(cfg.data)  # what can be refused without Ray, before starting it
+        if not cfg.data.prepared:
+            _connect(cfg)  # sized for training, before prepare's Ray Data job starts a Ray
+        data_dir = _prepared_data(cfg)
+        _connect(cfg)
+        check_nodes_see(cfg, data_dir)
 
-    previous = latest_complete_checkpoint(run_dir)
-    checkpointed = ever_checkpointed(run_dir)
-    if checkpointed and previous is None:
-        raise UserError(
-            f"run '{cfg.name}' has checkpoints in {run_dir} but none is complete; refusing to "
-            "start from step 0 (remove the run directory to start afresh)"
-        )
-    previous_strategy = None
-    if previous is not None:
-        state = read_state(previous)
-        previous_strategy = state.strategy
-        check_strategy_resumes(cfg.name, cfg.parallel.strategy, state.strategy)
-        refuse_if_spent(cfg.budget, cfg.name, run_dir)
-        print(f"[raytrain-lm] resuming run '{cfg.name}' from {previous.name}: step "
-              f"{state.step}, {state.tokens:,} tokens", flush=True)  # fmt: skip
-    # Nothing is written before the tracking store answered: a run refused here leaves no trace.
-    tracker = _open_tracking(cfg, run_dir, parent_run_id, tags)
-    run_dir.create()
-    run_dir.write_text(to_yaml(cfg), CONFIG_FILE)
-    if tracker is not None:
-        record = {"tracking_uri": tracker.uri, "mlflow_run_id": tracker.run_id}
-        run_dir.write_text(json.dumps(record), TRACKING_FILE)
-        tracker.log_params(flatten(cfg))
-        tracker.log_dataset(
-            mlflow_dataset(data_dir, None if cfg.data.prepared else cfg.data.sources)
-        )
-        run_dir.write_text(load_tokenizer(data_dir).to_json(), TOKENIZER_FILE)
-        with run_dir.local_files(CONFIG_FILE, TOKENIZER_FILE) as (config, tokenizer):
-            tracker.log_artifact(config)
-            tracker.log_artifact(tokenizer)
+        checkpointed = ever_checkpointed(run_dir)
+        if checkpointed and previous is None:
+            raise UserError(
+                f"run '{cfg.name}' has checkpoints in {run_dir} but none is complete; refusing "
+                "to start from step 0 (remove the run directory to start afresh)"
+            )
+        earlier = read_summary(run_dir) if state is not None else None
+        if state is not None:
+            check_strategy_resumes(cfg.name, cfg.parallel.strategy, state.strategy)
+            refuse_if_spent(cfg.budget, cfg.name, run_dir)
+            print(f"[raytrain-lm] resuming run '{cfg.name}' from {previous.name}: step "
+                  f"{state.step}, {state.tokens:,} tokens", flush=True)  # fmt: skip
+        # Nothing is written before the tracking store answered: a run refused here leaves
+        # no trace.
+        tracker = _open_tracking(cfg, run_dir, parent_run_id, tags)
+        run_dir.create()
+        run_dir.write_text(to_yaml(cfg), CONFIG_FILE)
+        if tracker is not None:
+            record = {"tracking_uri": tracker.uri, "mlflow_run_id": tracker.run_id}
+            run_dir.write_text(json.dumps(record), TRACKING_FILE)
+            tracker.log_params(flatten(cfg))
+            tracker.log_dataset(
+                mlflow_dataset(data_dir, None if cfg.data.prepared else cfg.data.sources)
+            )
+            run_dir.write_text(load_tokenizer(data_dir).to_json(), TOKENIZER_FILE)
+            with run_dir.local_files(CONFIG_FILE, TOKENIZER_FILE) as (config, tokenizer):
+                tracker.log_artifact(config)
+                tracker.log_artifact(tokenizer)
 
-    spec = WorkerSpec(
-        config=cfg,
-        data_dir=data_dir,
-        run_dir=run_dir,
-        tracking=TrackingTarget(tracker.uri, tracker.run_id) if tracker else None,
-        expect_checkpoint=checkpointed,
-        read_cpus=cfg.scaling.data_cpus / cfg.scaling.max_size,
-        checkpoint_strategy=previous_strategy,
-        fault=faults.from_environment(),
-        reports=reports,
-    )
-    stopped = False
-    if previous is not None and read_state(previous).step >= end_step(cfg.training):
-        print(f"[raytrain-lm] run '{cfg.name}' already trained to step {read_state(previous).step}")
-    else:
-        try:
-            stopped = _train_until_done(spec, callbacks)
-        except BaseException:
-            if tracker is not None:
-                # A sweep's trial ends this way when its scheduler stops it too: its driver,
-                # which knows why, ends the run (a later FAILED here would overwrite that).
-                ended = "KILLED" if _interrupted() else "FAILED"
-                tracker.finish(None if parent_run_id is not None else ended)
-            raise
-    return _publish(spec, tracker, started, stopped)
+        spec = WorkerSpec(
+            config=cfg,
+            data_dir=data_dir,
+            run_dir=run_dir,
+            tracking=TrackingTarget(tracker.uri, tracker.run_id) if tracker else None,
+            expect_checkpoint=checkpointed,
+            read_cpus=cfg.scaling.data_cpus / cfg.scaling.max_size,
+            checkpoint_strategy=state.strategy if state is not None else None,
+            fault=faults.from_environment(),
+            reports=reports,
+        )
+        stopped = False
+        trains = state is None or state.step < end_step(cfg.training)
+        if not trains:  # trained to the end by a driver that did not publish it (or stopped)
+            print(f"[raytrain-lm] run '{cfg.name}' already trained to step {state.step}")
+        else:
+            try:
+                stopped = _train_until_done(spec, callbacks)
+            except BaseException:
+                if tracker is not None:
+                    # A sweep's trial ends this way when its scheduler stops it too: its
+                    # driver, which knows why, ends the run (a later FAILED would overwrite it).
+                    ended = "KILLED" if _interrupted() else "FAILED"
+                    tracker.finish(None if parent_run_id is not None else ended)
+                raise
+        held.check()  # a driver that lost its lease publishes nothing
+        return publish(spec, tracker, started, stopped, trains, earlier)
 
 
 def _connect(cfg: RunConfig) -> None:
@@ -262,59 +282,6 @@ def _start_again_after(exc: Exception, spec: WorkerSpec, failed_at: int | None) 
         flush=True,
     )
     return step
-
-
-def _publish(spec: WorkerSpec, tracker, started: float, stopped: bool | str) -> dict[str, Any]:
-    """The summary of the run as its newest checkpoint left it; with tracking, the final
-    weights, tokenizer and summary as artifacts, and the MLflow run ended."""
-    cfg, run_dir = spec.config, spec.run_dir
-    final = latest_complete_checkpoint(run_dir)
-    if final is None:
-        raise RuntimeError(f"training ended without a complete checkpoint in {run_dir}")
-    state: TrainState = read_state(final)
-    close_previous_segment(run_dir)
-    tokens_per_step = cfg.training.global_batch_size * cfg.model.block_size
-    goodput = summarize(read_events(run_dir)).metrics(state.tokens, tokens_per_step)
-    summary = {
-        "run": cfg.name,
-        "steps": state.step,
-        "tokens": state.tokens,
-        "train_loss": state.train_loss,
-        "val_loss": state.val_loss,
-        "tokens_per_s": state.tokens_per_s,
-        "shares": state.shares,
-        "per_type": {
-            kind: {k: round(v, 4) for k, v in figures.items()}
-            for kind, figures in state.per_type.items()
-        },
-        "wall_s": round(time.time() - started, 1),
-        "mlflow_run_id": tracker.run_id if tracker else None,
-        "checkpoint": str(final),
-        "stopped": stopped,
-        "goodput": {
-            k.removeprefix("goodput/").replace("/", "_"): round(v, 4) for k, v in goodput.items()
-        },
-    }
-    run_dir.write_text(json.dumps(summary, indent=2), SUMMARY_FILE)
-    if stopped:
-        why = "spent budget.max_usd" if stopped == "budget" else "stopped"
-        again = "with a larger budget.max_usd" if stopped == "budget" else "again"
-        print(
-            f"[raytrain-lm] run '{cfg.name}' {why} at step {state.step} with a checkpoint; "
-            f"run the same command {again} to resume",
-            flush=True,
-        )
-    if tracker is not None:
-        tracker.log_metrics(goodput, step=state.step)
-        with RunDir(final).local_files(MODEL_FILE, TOKENIZER_FILE) as (weights, tokenizer):
-            if not stopped:
-                tracker.log_artifact(weights, "final")
-                tracker.log_artifact(tokenizer, "final")
-            with run_dir.local_files(SUMMARY_FILE) as (summary_file,):
-                tracker.log_artifact(summary_file)
-                # Deferred uploads (the store was away) read these files until then.
-                tracker.finish("KILLED" if stopped else "FINISHED")
-    return summary
 
 
 def _interrupted() -> bool:
