@@ -1,10 +1,18 @@
-"""`raytrain-lm cluster down` ends the processes that name its directory, never the command
-that asked (a shell, `timeout`, ssh or make name the directory on their command lines too)."""
+"""`raytrain-lm cluster down` ends the processes of its cluster: those that name its directory,
+and those that carry it in their environment (Ray's client server names none), never the
+command that asked (a shell, `timeout`, ssh or make name the directory on their command lines
+too). A whole `cluster up`/`down` leaving no process behind: tests/test_jobs.py."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
+
+import psutil
+
+from raytrain_lm.clusters.autoscaling import CLUSTER_ENV, _pids
 
 
 def test_cluster_down_spares_the_processes_that_started_it(tmp_path):
@@ -26,3 +34,29 @@ def test_cluster_down_spares_the_processes_that_started_it(tmp_path):
     finally:
         daemon.kill()
         daemon.wait()
+
+
+# Starts a sleeper and exits at once, as `ray start` leaves Ray's client server behind (the
+# sleeper's output elsewhere: a pipe it held open would keep the caller waiting for it).
+ORPHANING = (
+    "import subprocess as s, sys; print(s.Popen([sys.executable, '-c', 'import time; "
+    "time.sleep(120)'], stdin=s.DEVNULL, stdout=s.DEVNULL, stderr=s.DEVNULL).pid)"
+)
+
+
+def test_cluster_down_finds_an_orphan_that_names_nothing(tmp_path):
+    """Ray's client server (`python -m ray.util.client.server --address=... --port=...`)
+    names no directory, and its parent has exited: `up`'s environment says whose it is."""
+    cluster = tmp_path / "cluster"
+    cluster.mkdir()
+    env = {**os.environ, CLUSTER_ENV: str(cluster)}
+    started = subprocess.run(
+        [sys.executable, "-c", ORPHANING], env=env, capture_output=True, text=True, check=True
+    )
+    orphan = int(started.stdout)
+    try:
+        assert psutil.Process(orphan).status() != psutil.STATUS_ZOMBIE  # running, an orphan
+        assert _pids(cluster) == [orphan]
+        assert _pids(tmp_path / "another") == []
+    finally:
+        os.kill(orphan, signal.SIGKILL)

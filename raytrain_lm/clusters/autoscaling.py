@@ -5,9 +5,9 @@ included), with token auth on and the dashboard on localhost.
 `ray up` cannot start Ray's fake_multinode provider from the wheel (its example files are
 missing), and `ray stop` stops every Ray on the machine. So `up` runs
 `RAY_FAKE_CLUSTER=1 ray start --head --autoscaling-config=...` with its own temp dir and free
-ports, and `down` ends exactly the processes that belong to that temp dir. The autoscaler
-starts fake nodes through `fake_nodes.FakeNodeProvider`, each with a temp dir under the
-cluster's own.
+ports, and `down` ends exactly the processes that belong to that temp dir (`_pids`: by their
+command line or their environment). The autoscaler starts fake nodes through
+`fake_nodes.FakeNodeProvider`, each with a temp dir under the cluster's own.
 """
 
 from __future__ import annotations
@@ -40,6 +40,10 @@ NODE_DIRS_KEY = "node_dirs"
 # <node temp dir>/session_<date>_<pid>/sockets/plasma_store (about 65 bytes more), and a fake
 # node's temp dir is <dir>/n<number>.
 MAX_DIR_CHARS = 36
+# Set by `up` for `ray start`, so every process of the cluster inherits it. Ray's client server
+# (`ray.util.client.server`) names no directory on its command line, and its parent, `ray
+# start`, has exited by the time `down` looks: this variable is how `down` knows it.
+CLUSTER_ENV = "RAYTRAIN_LM_CLUSTER_DIR"
 
 
 def _ray_executable() -> str:
@@ -125,6 +129,7 @@ def up(
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
         # This cluster's own API server, never one inherited from another Ray on the machine.
         "RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{dash_port}",
+        CLUSTER_ENV: str(directory),
     }
     if offers_cpu_nodes(tree):
         env[CPU_NODES_ENV] = "1"  # job drivers run on the head and inherit it
@@ -177,24 +182,25 @@ def _wait_for_gcs(host: str, port: int, timeout_s: float) -> None:
 
 
 def _pids(directory: Path) -> list[int]:
-    """Processes of this cluster: Ray's daemons name the session dir, which lies under
-    `directory`, on their command line (fake nodes are raylets started the same way); workers,
-    agents and dashboard modules rename themselves (`ray::...`), so their descendants count too."""
-    listing = subprocess.run(
-        ["ps", "-ww", "-eo", "pid=,ppid=,args="], capture_output=True, text=True, check=True
-    ).stdout
+    """Processes of this cluster: those whose command line names `directory` (Ray's daemons
+    name the session dir under it; fake nodes are raylets started the same way) or whose
+    environment carries it in CLUSTER_ENV (the client server names neither), and their
+    descendants (workers, agents and dashboard modules rename themselves `ray::...`, which
+    overwrites the environment that /proc shows of them)."""
+    import psutil
+
     marker = str(directory)
     children: dict[int, list[int]] = {}
     parents: dict[int, int] = {}
     found: set[int] = set()
-    for line in listing.splitlines():
-        fields = line.split(None, 2)
-        if len(fields) < 2:
-            continue
-        pid, ppid = int(fields[0]), int(fields[1])
+    # Processes of other users, and those gone meanwhile, read as None.
+    for process in psutil.process_iter(["pid", "ppid", "cmdline", "environ"]):
+        info = process.info
+        pid, ppid = info["pid"], info["ppid"] or 0
         children.setdefault(ppid, []).append(pid)
         parents[pid] = ppid
-        if len(fields) == 3 and marker in fields[2]:
+        named = marker in " ".join(info["cmdline"] or ())
+        if named or (info["environ"] or {}).get(CLUSTER_ENV) == marker:
             found.add(pid)
     # Never this process nor what started it: `sh -c "raytrain-lm cluster down --dir X"` (a
     # script, ssh, make, `timeout`) names the directory on its command line too.
