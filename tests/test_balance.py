@@ -8,12 +8,14 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 import raytrain_lm
 from raytrain_lm.config import TrainingConfig, load_config
 from raytrain_lm.data.ledger import read_ledger
 from raytrain_lm.data.stream import WorkerSlice
 from raytrain_lm.errors import UserError
+from raytrain_lm.trainer import hardware
 from raytrain_lm.trainer.balance import Speeds, per_type_metrics, replan_weights, type_weights
 from raytrain_lm.trainer.faults import ENV_VAR
 from raytrain_lm.trainer.goodput import read_events
@@ -81,13 +83,32 @@ def test_speeds_and_type_weights():
     with pytest.raises(UserError, match="no weight for accelerator type.*H100"):
         type_weights({"A100": 3}, ["A100", "H100"])
     # Per rank prices: the A100 has none; one L4 on spot ($0.8), one on demand ($2).
-    figures = per_type_metrics(["A100", "L4", "L4"], [4, 2, 2], 50_000.0, 1e9, [0.0, 0.8, 2.0])
+    types, peaks = ["A100", "L4", "L4"], [312e12, 121e12, 121e12]
+    figures = per_type_metrics(types, [4, 2, 2], 50_000.0, 1e9, [0.0, 0.8, 2.0], peaks)
     assert figures["A100"]["tokens_per_s"] == 25_000.0 and figures["L4"]["workers"] == 2.0
     assert figures["A100"]["mfu"] == pytest.approx(25_000 * 1e9 / 312e12)
+    assert figures["L4"]["mfu"] == pytest.approx(25_000 * 1e9 / (2 * 121e12))
     assert "usd_per_mtok" not in figures["A100"]
     assert figures["L4"]["usd_per_mtok"] == pytest.approx(2.8 / 3600 / 25_000 * 1e6)
-    half_priced = per_type_metrics(["L4", "L4"], [1, 1], 1000.0, 1e9, [0.8, 0.0])
+    half_priced = per_type_metrics(["L4", "L4"], [1, 1], 1000.0, 1e9, [0.8, 0.0], peaks[1:])
     assert "usd_per_mtok" not in half_priced["L4"]  # a part of its cost unknown: no figure
+
+
+def test_mfu_is_against_the_device_that_trains():
+    """Workers on a fake A100 node train on its CPU: their MFU, in the progress line and in the
+    summary's per-type figures alike, is against the CPU's peak (it was against an A100's in
+    the summary: 0.02 % beside the progress line's 28 %). On GPUs, the other ranks' types give
+    their peaks; this rank's own device gives its own."""
+    cpu = torch.device("cpu")
+    peaks = hardware.training_peaks(["A100", "A100"], cpu, "A100")
+    assert peaks == [hardware.peak_flops(cpu)] * 2
+    progress = hardware.group_mfu(1e6, 10_000.0, peaks)
+    assert progress == pytest.approx(hardware.mfu(1e6, 5_000.0, cpu))  # each device's alike
+    figures = per_type_metrics(["A100", "A100"], [4, 4], 10_000.0, 1e6, [1.0, 1.0], peaks)
+    assert figures["A100"]["mfu"] == pytest.approx(progress)
+    # A mixed GPU group, seen from an A100 rank: the L4's peak is its type's, unknown types err low.
+    gpu = torch.device("cuda")
+    assert hardware.training_peaks(["L4", "TPU-V9"], gpu, "A100") == [121e12, 312e12]
 
 
 def test_balance_settings_are_checked_up_front():

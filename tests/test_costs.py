@@ -104,6 +104,10 @@ def test_a_plan_ranks_candidates_and_marks_the_cheapest_in_time():
     result = plan(load_config(LLAMA_1B), tokens=20e9, deadline="48h")
     estimates, best = result["estimates"], result["cheapest"]
     assert best is not None and best["wall_h"] <= 48
+    # 240 sequences of micro-batches of 4 split over 1, 2 or 4 workers, not 8 or more: a
+    # candidate the run would refuse is never offered, however cheap.
+    assert {e["workers"] for e in estimates} == {1, 2, 4}
+    assert result["batch_does_not_split"] == [8, 16, 32, 64]
     in_time = [e for e in estimates if e["meets_deadline"]]
     assert best["cost_usd"] <= min(e["cost_usd"] for e in in_time) + 0.01
     assert all(e["meets_deadline"] == (e["wall_h"] <= 48) for e in estimates)
@@ -127,6 +131,11 @@ def test_plan_from_the_cli_as_typed(tmp_path):
     out = done.stdout
     assert "20.00B tokens" in out and "cheapest within the deadline:" in out
     assert "checkpoint every" in out and "assumed: MFU 35%" in out
+    assert "cheapest within the deadline: 4 x " in out, out
+    assert (
+        "left out 8, 16, 32, 64 workers: training.global_batch_size (240) does not split over "
+        "them as set"
+    ) in out
     assert any(line.startswith("*") for line in out.splitlines())
     as_json = subprocess.run([*command, "--json"], capture_output=True, text=True)
     result = json.loads(as_json.stdout)

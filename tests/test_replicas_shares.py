@@ -93,7 +93,8 @@ def test_the_participants_types_and_prices_ride_in_the_steps_sum(kinds):
     slots = [roster_slots(p, len(kinds), kind, prices[p]) for p, kind in enumerate(kinds)]
     types, read_prices = read_roster(np.sum(slots, axis=0).tolist())
     assert types == kinds and read_prices == pytest.approx(prices)
-    figures = per_type_metrics(types, [4] * len(kinds), 1000.0, 1e6, read_prices)
+    peaks = [1e12] * len(kinds)
+    figures = per_type_metrics(types, [4] * len(kinds), 1000.0, 1e6, read_prices, peaks)
     assert set(figures) == set(kinds)
     assert sum(f["tokens_per_s"] for f in figures.values()) == pytest.approx(1000.0)
     usd_per_hour = sum(f["usd_per_mtok"] * f["tokens_per_s"] / 1e6 * 3600 for f in figures.values())

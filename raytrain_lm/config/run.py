@@ -119,10 +119,8 @@ class RunConfig(_Section):
             if self.scaling.balance == "auto" and self.parallel.strategy in ("fsdp", "hsdp"):
                 raise ValueError(BALANCE_AUTO_UNDER_FSDP)
             return self
-        tp = self.parallel.tensor_parallel
         for world in self.scaling.world_sizes:
-            unit = world // tp * (micro or 1)
-            if self.training.global_batch_size % unit:
+            if not self.batch_splits_over(world):
                 if self.scaling.elastic:
                     what = (
                         f"world size {world} (the run may use {self.scaling.min_size} to "
@@ -137,6 +135,18 @@ class RunConfig(_Section):
                     f"is not divisible by {what}"
                 )
         return self
+
+    def batch_splits_over(self, workers: int) -> bool:
+        """Whether the global batch splits over `workers` as the run splits it: into whole
+        micro-batches per data-parallel rank, or, in shares by speed (`scaling.balance`) or
+        over replica groups, into one sequence at least each. What `raytrain-lm plan` offers
+        too: only worker counts a run of this config can train with."""
+        batch = self.training.global_batch_size
+        if self.scaling.balance != "none" or self.scaling.fault_tolerance == "replicas":
+            return batch >= workers
+        tp = self.parallel.tensor_parallel
+        micro = self.training.micro_batch_size or 1
+        return workers % tp == 0 and batch % (workers // tp * micro) == 0
 
     def _parallel_fits(self) -> None:
         """Tensor parallelism and hsdp's shard groups need every world size the run may take

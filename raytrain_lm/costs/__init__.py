@@ -58,8 +58,9 @@ def plan(
         deadline_h = parse_duration_h(deadline)
     except ValueError as exc:
         raise UserError(f"--deadline: {exc}; got {deadline!r}") from None
-    estimates = plan_candidates(inputs, catalog, list(worker_counts), deadline_h, budget_usd)
-    micro = cfg.training.micro_batch_size or 1
+    # Only what a run of this config can train with: a recommendation it refuses misleads.
+    runnable = [n for n in worker_counts if cfg.batch_splits_over(n)]
+    estimates = plan_candidates(inputs, catalog, runnable, deadline_h, budget_usd)
     assumed = [f"MFU {DEFAULT_MFU:.0%} on types not measured", "catalog prices and interruptions"]
     return {
         "run": cfg.name,
@@ -74,9 +75,8 @@ def plan(
             "source": catalog.source,
         },
         "inputs": {"measured": inputs.measured, "assumed": assumed},
-        "batch_does_not_split": [
-            n for n in worker_counts if cfg.training.global_batch_size % (n * micro)
-        ],
+        "global_batch_size": cfg.training.global_batch_size,
+        "batch_does_not_split": [n for n in worker_counts if n not in runnable],
         "estimates": [e.as_dict() for e in estimates],
         "cheapest": (lambda e: e.as_dict() if e else None)(cheapest_in_time(estimates)),
     }

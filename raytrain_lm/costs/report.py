@@ -57,7 +57,9 @@ def render(result: dict, rows: int = 15) -> str:
         ]
         lines.append("  ".join(cells).rstrip())
     lines.append("")
-    if best is None:
+    if not estimates:
+        lines.append("no candidate: no worker count planned fits the model or splits the batch")
+    elif best is None:
         lines.append(
             "no candidate meets the deadline and budget (x): more workers or a later deadline"
         )
@@ -73,7 +75,10 @@ def render(result: dict, rows: int = 15) -> str:
         lines.append(f"({len(estimates) - len(shown)} more candidates: --rows N or --json)")
     if result["batch_does_not_split"]:
         counts = ", ".join(str(n) for n in result["batch_does_not_split"])
-        lines.append(f"training.global_batch_size does not split over {counts} workers as set")
+        lines.append(
+            f"left out {counts} workers: training.global_batch_size "
+            f"({result['global_batch_size']}) does not split over them as set"
+        )
     measured = "; ".join(result["inputs"]["measured"]) or "nothing (plan --from RUN measures)"
     lines.append(f"measured: {measured}")
     lines.append(f"assumed: {'; '.join(result['inputs']['assumed'])}")

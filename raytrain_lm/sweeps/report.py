@@ -14,7 +14,7 @@ from raytrain_lm.errors import UserError
 from raytrain_lm.storage import Location
 from raytrain_lm.sweeps.plots import plot_report
 from raytrain_lm.sweeps.record import REPORT_FILE, read_record
-from raytrain_lm.sweeps.runs import TAG_STOPPED_EARLY, TAG_TRIAL, TrialRuns
+from raytrain_lm.sweeps.runs import TAG_STOPPED_EARLY, TAG_TRIAL, TrialRuns, steps_trained
 
 
 def swept_keys(record: dict[str, Any]) -> list[str]:
@@ -38,13 +38,19 @@ def collect(runs: TrialRuns, keys: list[str]) -> list[dict[str, Any]]:
     rows = []
     for run in runs.children():
         metrics = run.data.metrics
+        # The tag is checked against the run's steps: sweeps of older versions marked trials
+        # that trained to their last step after the scheduler's stop.
+        trained, planned = None, None
+        if run.data.tags.get(TAG_STOPPED_EARLY) == "true":
+            trained, planned = steps_trained(runs.client, run)
         rows.append(
             {
                 "trial": run.data.tags.get(TAG_TRIAL, "?"),
                 "run_name": run.info.run_name,
                 "run_id": run.info.run_id,
                 "status": run.info.status,
-                "stopped_early": run.data.tags.get(TAG_STOPPED_EARLY) == "true",
+                "stopped_early": trained is not None and (planned is None or trained < planned),
+                "stopped_at": (trained, planned),
                 "val_loss": metrics.get("val/loss"),
                 "train_loss": metrics.get("train/loss"),
                 "tokens": metrics.get("progress/tokens"),
@@ -71,7 +77,11 @@ def format_table(rows: list[dict[str, Any]], keys: list[str]) -> str:
     head = ["rank", "trial", "status", "val_loss", "train_loss", "tokens", *keys]
     body = []
     for i, r in enumerate(rows, 1):
-        status = r["status"].lower() + (" (stopped early)" if r["stopped_early"] else "")
+        status = r["status"].lower()
+        if r["stopped_early"]:
+            trained, planned = r["stopped_at"]
+            at = f" at step {trained} of {planned}" if planned is not None else ""
+            status += f" (stopped early{at})"
         body.append(
             [
                 str(i),
@@ -86,8 +96,8 @@ def format_table(rows: list[dict[str, Any]], keys: list[str]) -> str:
     widths = [
         max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head)
     ]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True))]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(b, widths, strict=True)) for b in body]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)).rstrip()]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(b, widths, strict=True)).rstrip() for b in body]
     return "\n".join(lines)
 
 

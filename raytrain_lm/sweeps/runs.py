@@ -86,11 +86,34 @@ class TrialRuns:
 
     def close(self, run, status: str, stopped_early: bool = False) -> None:
         """Ends a child run the trial itself could not end (stopped by the scheduler, or the
-        sweep interrupted), with its loss curve."""
-        if stopped_early:
+        sweep interrupted), with its loss curve. `stopped_early` is Tune's word, which comes
+        after the report that made the scheduler stop the trial: a trial that trained to its
+        last step meanwhile is not marked so."""
+        if stopped_early and stopped_before_its_end(self.client, run):
             self.client.set_tag(run.info.run_id, TAG_STOPPED_EARLY, "true")
         log_loss_curve(self.client, run.info.run_id)
         self.client.set_terminated(run.info.run_id, status=status)
+
+
+def steps_trained(client, run) -> tuple[int, int | None]:
+    """The last step whose train loss a trial's run logged (0: none), and the step the trial
+    was to train to (None: its params do not say)."""
+    params = run.data.params
+    try:
+        planned = int(params["training.max_steps"])
+    except (KeyError, ValueError):
+        return 0, None
+    stop_after = params.get("training.stop_after_step", "None")
+    if stop_after not in ("None", ""):
+        planned = min(planned, int(stop_after))
+    losses = client.get_metric_history(run.info.run_id, "train/loss")
+    return max((m.step for m in losses), default=0), planned
+
+
+def stopped_before_its_end(client, run) -> bool:
+    """Whether a trial's run stopped before its last step (unknown counts as stopped)."""
+    trained, planned = steps_trained(client, run)
+    return planned is None or trained < planned
 
 
 class CloseTrialRuns(Callback):

@@ -130,23 +130,23 @@ def per_type_metrics(
     tokens_per_s: float,
     flops_per_token: float,
     prices: Sequence[float],
+    peaks: Sequence[float],
 ) -> dict[str, dict[str, float]]:
     """Per accelerator type: the tokens/s its ranks train (their shares of the group's), their
-    MFU against that type's own peak, and, when each of its ranks has a price (`prices`: per
-    rank, from `fault.price_per_hour` and the rank's node market; 0 for none), what a million
-    of its tokens cost."""
+    MFU against the peaks of the devices they train on (`peaks`: per rank, from
+    `hardware.training_peaks`, as the progress line's MFU is), and, when each of its ranks
+    has a price (`prices`: per rank, from `fault.price_per_hour` and the rank's node market;
+    0 for none), what a million of its tokens cost."""
     figures: dict[str, dict[str, float]] = {}
     for kind in sorted(set(types)):
         ranks = [r for r, t in enumerate(types) if t == kind]
         kind_tokens_per_s = tokens_per_s * sum(shares[r] for r in ranks) / sum(shares)
-        if kind == "cpu":
-            peak = hardware.peak_flops(torch.device("cpu"))
-        else:
-            peak = hardware.gpu_peak_flops(kind) or hardware.UNKNOWN_GPU_PEAK_FLOPS
         row = {
             "workers": float(len(ranks)),
             "tokens_per_s": kind_tokens_per_s,
-            "mfu": min(1.0, flops_per_token * kind_tokens_per_s / (len(ranks) * peak)),
+            "mfu": hardware.group_mfu(
+                flops_per_token, kind_tokens_per_s, [peaks[r] for r in ranks]
+            ),
         }
         if all(prices[r] > 0 for r in ranks) and kind_tokens_per_s > 0:
             usd_per_hour = sum(prices[r] for r in ranks)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -86,7 +86,28 @@ def peak_flops(device: torch.device) -> float:
 
 
 def mfu(flops_per_token: float, tokens_per_s_per_device: float, device: torch.device) -> float:
+    """One device's MFU: the model FLOP/s it achieves over its peak."""
     return min(1.0, flops_per_token * tokens_per_s_per_device / peak_flops(device))
+
+
+def training_peaks(types: Sequence[str], device: torch.device, own_type: str) -> list[float]:
+    """The peak FLOP/s of the device each rank trains on, from its accelerator type (`types`,
+    one per rank), as a rank of type `own_type` training on `device` knows them. A group
+    trains on one kind of device (`scaling.use_gpu`): on CPU, every rank's peak is a CPU's,
+    whatever its node's type says (a fake GPU node, CPU workers on a GPU node); on CUDA,
+    ranks of this rank's type have its device's peak, the others their type's."""
+    if device.type != "cuda":
+        return [peak_flops(device)] * len(types)
+    return [
+        peak_flops(device) if kind == own_type else gpu_peak_flops(kind) or UNKNOWN_GPU_PEAK_FLOPS
+        for kind in types
+    ]
+
+
+def group_mfu(flops_per_token: float, tokens_per_s: float, peaks: Sequence[float]) -> float:
+    """The MFU of ranks that train `tokens_per_s` together, each on a device of peak FLOP/s
+    `peaks` (`training_peaks`): the model FLOP/s they achieve over their peaks summed."""
+    return min(1.0, flops_per_token * tokens_per_s / sum(peaks))
 
 
 def use_bf16(device: torch.device, precision: str) -> bool:

@@ -123,6 +123,7 @@ class Worker(Rebalancing, Endings):
         faults.simulate_device(self.model, spec.fault, self.fault_rank)
         self.pacer = faults.Pacer(spec.fault, self.run_dir)
 
+        self.parts: StepParts | None = None  # from _prepare_loop
         self.state = TrainState()
         self.segment = uuid.uuid4().hex[:12]
         self.events: list[dict[str, Any]] = []
@@ -279,10 +280,17 @@ class Worker(Rebalancing, Endings):
 
     # ------------------------------------------------------------------------------ train
 
+    def _prepare_loop(self, step: int | None = None) -> None:
+        """What the loop steps with: the model as it trains, the data stream from `step` (the
+        current one if None), the evaluator."""
+        self.parts, self.batches = self._step_parts(), self._batches(step=step)
+        self.evaluate = self._evaluator()
+
     def train(self) -> None:
         state, every = self.state, self.every
-        self.parts, self.batches, evaluate = self._step_parts(), self._batches(), self._evaluator()
-        progress = self._progress()
+        if self.parts is None:  # replica groups prepare it before they join (replicas.py)
+            self._prepare_loop()
+        evaluate, progress = self.evaluate, self._progress()
         self.forced_reads = self._forced_reads()
         if self.clock is not None:
             self._measure_after_warmup(first_plan=True)
@@ -388,8 +396,8 @@ class Worker(Rebalancing, Endings):
         metrics.update(
             {
                 "perf/tokens_per_s": tokens_per_s,
-                "perf/mfu": hardware.mfu(
-                    self.flops_per_token, tokens_per_s / self.world, self.device
+                "perf/mfu": hardware.group_mfu(
+                    self.flops_per_token, tokens_per_s, self._peaks(self.types)
                 ),
                 "perf/step_time_s": seconds / steps,
                 "perf/data_wait_fraction": min(1.0, interval.data_wait_s / seconds),
@@ -412,7 +420,14 @@ class Worker(Rebalancing, Endings):
         types, prices = self._roster_of_shares()
         if len(types) != len(self.plan.shares):
             return {}
-        return per_type_metrics(types, self.plan.shares, tokens_per_s, self.flops_per_token, prices)
+        return per_type_metrics(
+            types, self.plan.shares, tokens_per_s, self.flops_per_token, prices, self._peaks(types)
+        )
+
+    def _peaks(self, types: list[str]) -> list[float]:
+        """The peak FLOP/s of the device each rank of `types` trains on: the one definition
+        behind every MFU figure (the progress line's, the per-type ones, the summary's)."""
+        return hardware.training_peaks(types, self.device, self.types[self.rank])
 
     def _roster_of_shares(self) -> tuple[list[str], list[float]]:
         """The accelerator type and hourly price (0: none given) of each share of the plan."""
@@ -455,8 +470,9 @@ class Worker(Rebalancing, Endings):
             same_count_on_every_rank=self.sharded,
         )
 
-    def _batches(self, part: WorkerSlice | None = None):
-        """This rank's share of every step from the current one on (`part`: another slice)."""
+    def _batches(self, part: WorkerSlice | None = None, step: int | None = None):
+        """This rank's share of every step from `step` on (the current one if None; `part`:
+        another slice)."""
         cfg = self.cfg
         part = part or WorkerSlice(
             self.data_rank, self.data_world, self.plan.global_batch, self.plan.shares
@@ -473,7 +489,7 @@ class Worker(Rebalancing, Endings):
             order,
             part,
             part.per_rank,
-            self.state.step,
+            self.state.step if step is None else step,
             self.end_step,
             read_cpus=self.spec.read_cpus,
         )
