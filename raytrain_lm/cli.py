@@ -11,7 +11,7 @@ import argparse
 import json
 import sys
 
-from raytrain_lm.errors import UserError, find_user_error
+from raytrain_lm.errors import InterruptedBeforeStart, UserError, find_user_error
 
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130  # stopped before the end (resumable), as after Ctrl-C
@@ -194,7 +194,8 @@ def _add_cluster_commands(commands) -> None:
         default=None,
         help="where run output and prepared data go: a bucket (s3://BUCKET/prefix, "
         "gs://BUCKET/prefix; what a cluster of several nodes needs) or a folder on the head "
-        "(default $HOME/raytrain-lm)",
+        "(default: the working dir on a cluster running on this machine, as `cluster up`'s; "
+        "else $HOME/raytrain-lm)",
     )
     sub.add_argument("--job-id", help="submission id (default <run name>-<time>)")
     sub.add_argument("--follow", action="store_true", help="stream the logs until the job ends")
@@ -241,13 +242,13 @@ def _run_cluster_command(args) -> int:
     from raytrain_lm.clusters import jobs
 
     if args.command == "submit":
-        storage = args.storage or jobs.DEFAULT_STORAGE
         submitted = jobs.submit(
-            args.config, args.set, args.address, args.working_dir, storage, args.job_id
+            args.config, args.set, args.address, args.working_dir, args.storage, args.job_id
         )
         job, where = submitted["job_id"], submitted["address"]
         print(f"submitted job {job} to {where}")
         print(f"  entrypoint: {submitted['entrypoint']}")
+        print(f"  storage:     {submitted['storage']} (relative runs, data and mlflow.db)")
         print(f"  follow logs: raytrain-lm logs {job} --follow --address {where}")
         print(f"  state:       raytrain-lm status {job} --address {where}")
         print(f"  stop:        raytrain-lm stop {job} --address {where}")
@@ -356,6 +357,10 @@ def run(argv: list[str]) -> int:
 
     summary = train(cfg)
     print("summary: " + json.dumps(summary))
+    if summary.get("mlflow_run_id"):
+        from raytrain_lm.tracking_ui import where_to_look
+
+        print(where_to_look(cfg.tracking.uri, summary["mlflow_run_id"]))
     return EXIT_INTERRUPTED if summary["stopped"] else 0
 
 
@@ -422,6 +427,9 @@ def main() -> None:
     _quiet_logs()
     try:
         code = run(sys.argv[1:])
+    except InterruptedBeforeStart as nothing_started:
+        print(f"raytrain-lm: {nothing_started}", file=sys.stderr)
+        code = EXIT_INTERRUPTED
     except KeyboardInterrupt:
         print("raytrain-lm: interrupted; run the same command again to resume", file=sys.stderr)
         code = EXIT_INTERRUPTED

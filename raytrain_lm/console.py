@@ -17,12 +17,28 @@ Ray 2.60 adds to a run's own lines, each time, none of it about the run:
 - the traceback a worker prints, at every metrics update of one of our pipelines, when Ray
   Data's stats actor does not know that pipeline (a KeyError in `_StatsActor.update_*`: seen
   once in CI, from a stats actor made again after the pipeline started): only the actor's
-  dashboard figures are lost, never the pipeline's data.
+  dashboard figures are lost, never the pipeline's data;
+- Ray Train's placement-group cleaner (a detached actor that frees a run's placement group if
+  its controller dies): its note when it does so (a Tune trial stopped, a Ctrl-C), and, where
+  it cannot find its own cluster's API server (a Ray that a notebook started itself with
+  `ray.init`, beside another Ray on the machine; ours name it: runtime.naming_api_server),
+  its "Found multiple active Ray instances", its thread's traceback when that Ray does not
+  answer, the controller's 7-line "Failed to register placement group with cleaner" once the
+  cleaner has given up, or the controller's traceback when the cleaner, stuck asking the
+  other Ray, does not stop in time. The run's own end frees its placement group either way,
+  and a Ray the notebook started goes with the notebook;
+- "Token authentication is enabled for this Ray cluster" at every new local Ray (token auth
+  stays on: the notice alone goes; its warning that auth is disabled stays);
+- Tune's progress tables, its experiment box and its TensorBoard hint (TensorBoard is not
+  installed), its note of where it wrote its state, and a trial's "Checkpoint successfully
+  created" at every report: the sweep prints a line per trial start and end itself
+  (sweeps/progress.py).
 
 Each is stopped where it is made, by the narrowest means that Ray leaves: a documented
-setting where there is one (`RAY_COLOR_PREFIX`, `DataContext.print_on_execution_start`), else
-a logging level or filter on the one Ray logger or message concerned. Nothing here can hide an
-error: the filters drop only the messages named above, and an unknown one passes.
+setting where there is one (`RAY_COLOR_PREFIX`, `DataContext.print_on_execution_start`, Tune's
+`verbose`), else a logging level or filter on the one Ray logger or message concerned. Nothing
+here can hide an error: the filters drop only the messages named above, and an unknown one
+passes.
 """
 
 from __future__ import annotations
@@ -33,6 +49,7 @@ import os
 import re
 import sys
 import warnings
+from collections.abc import Iterator
 
 # Ray Data pipelines of ours are named with this prefix (`pipeline.ordered_dataset`): Ray Data
 # puts the name in its dataset ids, hence in its log lines and its dashboard.
@@ -66,6 +83,41 @@ _STACK_FRAME = re.compile(
     r"^\s*$|\*\*\* StackTrace Information \*\*\*|\(\+0x[0-9a-f]+\)|\) \[0x[0-9a-f]+\]"
 )
 _PRINT_LOGS = "ray_print_logs"  # the driver's handler of worker output (ray._private.worker)
+# Ray Train's placement-group cleaner (train/v2/_internal/.../placement_group_cleaner.py), and
+# what its controller logs when the cleaner has exited (callbacks/placement_group_callback.py):
+# a first line, the error's own lines, a last line with this end.
+CLEANER = "PlacementGroupCleaner"
+CLEANER_NOTES = re.compile(
+    r"Detected that the Ray Train controller actor \([0-9a-f]+\) is dead\. Cleaning up placement "
+    r"group|Found multiple active Ray instances: .* Connecting to latest cluster at"
+    r"|Monitor thread did not exit within [\d.]+ seconds"
+    r"|Failed to query Ray Train Controller actor state\. State API may be temporarily"
+)
+CLEANER_GONE = "Failed to register placement group with cleaner: "
+CLEANER_GONE_END = "Placement group may not be cleaned up if controller dies ungracefully."
+CLEANER_GONE_LINES = 12  # at most, or it is not that message: printed whole
+# The controller's traceback when the cleaner did not stop in time, or had died already.
+CLEANER_UNSTOPPED = re.compile(r"^Failed to stop PlacementGroupCleaner gracefully\.$")
+CLEANER_UNSTOPPED_WHY = re.compile(
+    r"^ray\.exceptions\.(GetTimeoutError|RayActorError|ActorDiedError)"
+)
+# The cleaner's own thread dying as it looks for its cluster where it cannot find it.
+CLEANER_LOST = re.compile(r"^Exception in thread PlacementGroupCleanerMonitor:$")
+CLEANER_LOST_WHY = re.compile(
+    r"^(ray\.exceptions\.RpcError|ConnectionError"
+    r"|ray\.util\.state\.exception\.RayStateApiException)"
+)
+# Tracebacks printed under a first line (the first pattern), dropped whole when their
+# exception, the last line, is the harmless one (the second); any other is printed whole.
+HARMLESS_TRACEBACKS = (
+    (STATS_UPDATE_FAILED, STATS_KEY_UNKNOWN),
+    (CLEANER_UNSTOPPED, CLEANER_UNSTOPPED_WHY),
+    (CLEANER_LOST, CLEANER_LOST_WHY),
+)
+# ray/_private/authentication/authentication_token_setup.py
+TOKEN_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
+TOKEN_AUTH_ON = "Token authentication is enabled for this Ray cluster."
+TUNE_NEW_OUTPUT = "RAY_AIR_NEW_OUTPUT"  # ray/tune/experimental/output.py
 
 
 def quiet_notebook() -> None:
@@ -88,6 +140,7 @@ def quiet_notebook() -> None:
     widgets = logging.getLogger("ray.widgets.util")
     if widgets.level == logging.NOTSET:
         widgets.setLevel(logging.WARNING)
+    quiet_token_auth_notice()  # before the notebook's own ray.init
     plain_when_not_a_terminal()
 
 
@@ -138,22 +191,39 @@ def _dropping_harmless(handler):
     if getattr(handler, "drops_harmless_lines", False):
         return handler
     aborted: set = set()  # processes whose actor-creation abort is being printed
-    held: dict = {}  # per process, the lines of a stats actor's error read so far
+    held: dict = {}  # per process, a traceback read so far and its harmless last line
+    unregistered: dict = {}  # per process, the lines of a controller's cleaner error so far
 
     def handle(data: dict) -> None:
         lines, kept = data.get("lines") or [], []
         pid = data.get("pid")
         for line in lines:
+            plain = ANSI.sub("", line)
+            if pid in unregistered:
+                unregistered[pid].append(line)
+                if CLEANER_GONE_END in line:
+                    del unregistered[pid]  # the whole message, dropped
+                elif len(unregistered[pid]) >= CLEANER_GONE_LINES:
+                    kept.extend(unregistered.pop(pid))
+                continue
             if pid in held:
-                if line.startswith((" ", "Traceback")):
-                    held[pid].append(line)
+                if line.startswith((" ", "\t", "Traceback")):
+                    held[pid][1].append(line)
                     continue
-                error = held.pop(pid)
-                if STATS_KEY_UNKNOWN.match(ANSI.sub("", line)):
-                    continue  # the whole traceback: a KeyError about one of our pipelines
+                harmless, error = held.pop(pid)
+                if harmless.match(plain):
+                    continue  # the whole traceback, its exception the harmless one
                 kept.extend(error)  # any other error is printed whole
-            if STATS_UPDATE_FAILED.search(ANSI.sub("", line)):
-                held[pid] = [line]
+            traceback_of = next(
+                (h for first, h in HARMLESS_TRACEBACKS if first.search(plain)), None
+            )
+            if traceback_of is not None:
+                held[pid] = (traceback_of, [line])
+            elif CLEANER_GONE in line:
+                if CLEANER_GONE_END not in line:
+                    unregistered[pid] = [line]
+            elif data.get("actor_name") == CLEANER and CLEANER_NOTES.search(plain):
+                continue
             elif ACTOR_CREATION_ABORTED.search(line):
                 aborted.add(pid)
             elif pid in aborted and _STACK_FRAME.search(line):
@@ -188,6 +258,48 @@ def quiet_ray_data() -> None:
     level stays: their other messages pass). Idempotent."""
     for name in ("ray.data._internal.progress", "ray.data._internal.execution.streaming_executor"):
         _add_filter_once(logging.getLogger(name), _DropRayDataChatter())
+
+
+class _DropTokenAuthOn(logging.Filter):
+    """Ray's notice, at every new local Ray, that token authentication is on (as it should be);
+    its warning that authentication is off passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(TOKEN_AUTH_ON)
+
+
+def quiet_token_auth_notice() -> None:
+    """Drops Ray's "Token authentication is enabled" notice in this process. Idempotent."""
+    _add_filter_once(logging.getLogger(TOKEN_AUTH_LOGGER), _DropTokenAuthOn())
+
+
+def quiet_trial_reports() -> None:
+    """In a Tune trial's actor: Tune's function trainable logs each report's checkpoint
+    ("Checkpoint successfully created at: ...") at INFO; the trial's progress says as much."""
+    logging.getLogger("ray.train._internal.storage").setLevel(logging.WARNING)
+
+
+@contextlib.contextmanager
+def quiet_tune() -> Iterator[None]:
+    """While inside, Tune's output follows its `verbose` setting: Tune's newer output engine,
+    its default in a terminal, prints its experiment box, results folder and TensorBoard hint
+    whatever `verbose` says; its other engine (RAY_AIR_NEW_OUTPUT=0, what it uses in a
+    notebook) prints nothing at verbose=0. Read when Tune starts, so set only meanwhile."""
+    before = os.environ.get(TUNE_NEW_OUTPUT)
+    os.environ[TUNE_NEW_OUTPUT] = "0"
+    # tune.run logs at INFO where it wrote its state ("Wrote the latest version of all result
+    # files ..."), whatever `verbose` says.
+    tune_log = logging.getLogger("ray.tune.tune")
+    level = tune_log.level
+    tune_log.setLevel(max(level, logging.WARNING))
+    try:
+        yield
+    finally:
+        tune_log.setLevel(level)
+        if before is None:
+            os.environ.pop(TUNE_NEW_OUTPUT, None)
+        else:
+            os.environ[TUNE_NEW_OUTPUT] = before
 
 
 def _add_filter_once(logger: logging.Logger, new: logging.Filter) -> None:

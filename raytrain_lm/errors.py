@@ -59,3 +59,8 @@ def surface_user_errors() -> Iterator[None]:
         if found is None or found is exc:
             raise
         raise found from None
+
+
+class InterruptedBeforeStart(KeyboardInterrupt):
+    """Ctrl-C while a run waited to start (for its tracking store): nothing of it started or
+    was written. Its text says so; the CLI prints it and exits as after any Ctrl-C."""

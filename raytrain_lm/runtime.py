@@ -8,7 +8,11 @@ import os
 from collections.abc import Iterator
 
 from raytrain_lm.config import ScalingConfig
-from raytrain_lm.console import plain_when_not_a_terminal, quiet_worker_output
+from raytrain_lm.console import (
+    plain_when_not_a_terminal,
+    quiet_token_auth_notice,
+    quiet_worker_output,
+)
 from raytrain_lm.errors import UserError
 
 API_SERVER_ENV = "RAY_API_SERVER_ADDRESS"
@@ -85,6 +89,7 @@ def ensure_ray(scaling: ScalingConfig, extra_cpus: float = 0.0) -> None:
     import ray
 
     plain_when_not_a_terminal()  # before ray.init logs (see console.py)
+    quiet_token_auth_notice()
     if not ray.is_initialized():
         if joins_cluster(scaling):
             # an existing cluster is sized by its own config: no num_cpus here
@@ -166,6 +171,7 @@ def ensure_local_ray() -> None:
     import ray
 
     plain_when_not_a_terminal()
+    quiet_token_auth_notice()
     if not ray.is_initialized():
         if os.environ.get("RAY_ADDRESS"):
             ray.init(log_to_driver=True, logging_level=_log_level())

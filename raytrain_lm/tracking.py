@@ -20,6 +20,8 @@ from typing import Any, Protocol
 
 from raytrain_lm.errors import UserError
 from raytrain_lm.redaction import redact
+from raytrain_lm.tracking_ui import open_experiment
+from raytrain_lm.tracking_wait import open_when_reachable
 
 SPOOL_ENV = "RAYTRAIN_LM_TRACKING_SPOOL"
 
@@ -32,10 +34,17 @@ class Tracker(Protocol):
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None: ...
     def flush(self) -> None: ...
     def finish(self, status: str | None = "FINISHED") -> None: ...
+    @property
+    def stored_through(self) -> int: ...
+    def log_missing(self, steps: list[tuple[int, dict[str, float]]]) -> None: ...
 
 
 class NullTracker:
     run_id = None
+    stored_through = 2**62  # nothing is kept for a store there is not
+
+    def log_missing(self, steps: list[tuple[int, dict[str, float]]]) -> None:
+        pass
 
     def log_params(self, params: dict[str, Any]) -> None:
         pass
@@ -92,6 +101,9 @@ class MLflowTracker:
         self._flush_every = flush_every
         self._flush_wait_s = flush_wait_s
         self._pending: list = []  # metrics not yet stored, oldest first
+        self._logged_through = -1  # the highest step of any metric logged so far
+        # Another chief's steps this one logs only where the store lacks them (log_missing)
+        self._unless_stored: list = []
         self._artifacts: list[tuple[str, str | None]] = []  # artifacts that failed to upload
         self._params: list = []  # params, tags and inputs that could not be logged yet
         self._tags: list = []
@@ -122,38 +134,18 @@ class MLflowTracker:
         creates a new MLflow run, nested under `parent_run_id` when given.
 
         A run cannot start without its run id, so while the store is unreachable this waits
-        for it, up to `wait_s` (a sweep's trial or a restart during an outage), then raises a
-        `UserError` naming the store and `tracking.start_wait_s`."""
+        for it, up to `wait_s` (a sweep's trial or a restart during an outage), saying so
+        (tracking_wait.py), then raises a `UserError` naming the store and
+        `tracking.start_wait_s`."""
         _retry_on_our_schedule(uri)
         _check_local_store(uri)
-        deadline = time.monotonic() + wait_s
-        warned = False
-        while True:
-            try:
-                tracker = cls._open(uri, experiment, run_name, run_id, parent_run_id)
-                break
-            except Exception as exc:
-                if _permanent(exc):
-                    raise
-                if time.monotonic() >= deadline:
-                    raise UserError(
-                        f"tracking store {uri} unreachable: could not open run '{run_name}' "
-                        f"within {wait_s:g} s (tracking.start_wait_s); start the store, point "
-                        f"tracking.uri elsewhere or set tracking.enabled=false "
-                        f"({type(exc).__name__})"
-                    ) from exc
-                if not warned:
-                    print(
-                        f"[raytrain-lm] warning: tracking store {uri} unreachable "
-                        f"({type(exc).__name__}); waiting up to {wait_s:.0f} s to open run "
-                        f"'{run_name}' (tracking.start_wait_s)",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-                    warned = True
-                time.sleep(min(5.0, max(0.0, deadline - time.monotonic())))
-        if warned:
-            print(f"[raytrain-lm] tracking store {uri} reachable again", file=sys.stderr)
+        tracker = open_when_reachable(
+            lambda: cls._open(uri, experiment, run_name, run_id, parent_run_id),
+            uri,
+            run_name,
+            wait_s,
+            _permanent,
+        )
         if tags:
             tracker.set_tags(tags)
         tracker._adopt_spools()
@@ -171,6 +163,8 @@ class MLflowTracker:
         from mlflow.tracking import MlflowClient
 
         client = MlflowClient(tracking_uri=uri)
+        # Also for a resumed run: an experiment made before the training view had no tags.
+        experiment_id = open_experiment(client, experiment, uri)
         tracker = None
         if run_id is not None:
             try:
@@ -181,8 +175,6 @@ class MLflowTracker:
                     raise  # the store is down: wait for it, do not open a second run
                 # the run is gone (a store that was reset): start afresh rather than fail
         if tracker is None:
-            found = client.get_experiment_by_name(experiment)
-            experiment_id = found.experiment_id if found else client.create_experiment(experiment)
             existing = []
             if parent_run_id is not None:
                 existing = client.search_runs(
@@ -270,10 +262,37 @@ class MLflowTracker:
         now = int(time.time() * 1000)
         with self._lock:
             self._pending.extend(Metric(k, float(v), now, step) for k, v in metrics.items())
+            self._logged_through = max(self._logged_through, step)
             due = len(self._pending) >= self._flush_every * max(1, len(metrics))
         if due:
             self._ensure_thread()
             self._wake.set()  # sent by our background thread: a step never waits on MLflow
+
+    @property
+    def stored_through(self) -> int:
+        """The highest step S such that every metric logged so far at a step up to S is in
+        the store (-1: none): what a replica groups' chief tells the others they may forget
+        (trainer/quorum.py's ChiefTracker)."""
+        with self._lock:
+            waiting = [m.step for m in (*self._pending, *self._unless_stored)]
+            return min(waiting) - 1 if waiting else self._logged_through
+
+    def log_missing(self, steps: list[tuple[int, dict[str, float]]]) -> None:
+        """Logs each (step, metrics) value whose metric has no value at that step in the
+        store yet: a new replica groups' chief logs again what the last one may have logged
+        and not stored before it died, and nothing twice. The store is asked from the
+        background thread, so an outage only delays it."""
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        rows = [
+            Metric(k, float(v), now, step) for step, metrics in steps for k, v in metrics.items()
+        ]
+        with self._lock:
+            self._unless_stored.extend(rows)
+            self._logged_through = max([self._logged_through, *(m.step for m in rows)])
+        self._ensure_thread()
+        self._wake.set()
 
     def flush(self) -> None:
         """Blocks until every metric logged so far is stored, or until one attempt to store
@@ -346,7 +365,21 @@ class MLflowTracker:
 
     def _unsent(self) -> int:
         kept = len(self._params) + len(self._tags) + len(self._inputs)
-        return len(self._pending) + len(self._artifacts) + kept
+        return len(self._pending) + len(self._artifacts) + len(self._unless_stored) + kept
+
+    def _queue_missing(self) -> None:
+        """Moves the `log_missing` candidates that the store lacks to the front of the queue."""
+        with self._lock:
+            candidates = list(self._unless_stored)
+        if not candidates:
+            return
+        stored: dict[str, set[int]] = {}
+        for key in {m.key for m in candidates}:
+            stored[key] = {m.step for m in self.client.get_metric_history(self.run_id, key)}
+        missing = [m for m in candidates if m.step not in stored[m.key]]
+        with self._lock:
+            self._pending[:0] = missing
+            del self._unless_stored[: len(candidates)]
 
     def _send_all(self) -> None:
         sent, error = 0, None
@@ -358,6 +391,7 @@ class MLflowTracker:
                     self._log_batch(kind, items)
                     with self._lock:
                         del getattr(self, kind)[: len(items)]
+            self._queue_missing()
             while True:
                 with self._lock:
                     chunk = self._pending[:1000]

@@ -293,6 +293,14 @@ def test_upload_excludes_keep_code_and_drop_outputs(tmp_path):
     assert sorted(kept) == sorted(rel for rel, keep in WORKING_DIR.items() if keep)
 
 
+def test_uploads_leave_out_what_ray_leaves_out_by_default():
+    """`submit` turns Ray's default excludes off (else Ray warns at every submit that it now
+    leaves them out): each of them must be one of ours."""
+    from ray._private.ray_constants import RAY_RUNTIME_ENV_DEFAULT_EXCLUDES
+
+    assert set(RAY_RUNTIME_ENV_DEFAULT_EXCLUDES.split(",")) <= set(UPLOAD_EXCLUDES)
+
+
 def test_upload_of_this_checkout_keeps_the_package_data_code():
     """What `submit` sends from this very directory, .gitignore included as Ray reads it."""
     from ray._private.runtime_env.packaging import _dir_travel, _get_excludes

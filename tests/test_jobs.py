@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 import psutil
@@ -29,9 +30,12 @@ from support.jobs import (
     ALIVE_WORKER_TYPES,
     PLACED_WORKERS,
     RAY_DATA_ACTORS_ON_HEAD,
+    TEST_CLUSTER_ENV,
     cli,
     env,
     events_when,
+    mfu_per_token_ratio,
+    processes_of,
     state,
     submit,
     submit_raw,
@@ -74,7 +78,8 @@ def local_cluster(request):
     # processes under this dir only, never other Rays on the machine.
     directory = tempfile.mkdtemp(prefix="rtlm-", dir="/tmp")
     failures_before = request.session.testsfailed
-    up = cli("cluster", "up", "--dir", directory, timeout=180)
+    tag = {TEST_CLUSTER_ENV: uuid.uuid4().hex}  # inherited by every process of the cluster
+    up = cli("cluster", "up", "--dir", directory, timeout=180, **tag)
     try:
         assert up.returncode == 0, up.stderr[-2000:]
         state = json.loads((Path(directory) / "cluster.json").read_text())
@@ -82,8 +87,7 @@ def local_cluster(request):
     finally:
         down = cli("cluster", "down", "--dir", directory, timeout=120)
         assert down.returncode == 0, down.stderr[-2000:]
-        leftover = subprocess.run(["ps", "-eo", "args="], capture_output=True, text=True).stdout
-        assert directory not in leftover
+        assert processes_of(directory, tag) == [], "left running after `cluster down`"
         if request.session.testsfailed == failures_before:  # else keep the logs to look at
             shutil.rmtree(directory, ignore_errors=True)
 
@@ -119,6 +123,8 @@ def test_run_asking_for_a100_scales_up_lands_there_and_scales_down(local_cluster
     assert Path(summary["checkpoint"]).is_relative_to(storage)  # relative output moved to storage
     # Every line once: every fake node's log monitor used to publish every node's lines.
     assert sum(" 20/20 | loss " in line for line in logs.splitlines()) == 1, logs[-3000:]
+    # One MFU, against the device that trains (the CPU of a fake A100 node, not an A100).
+    assert 0.6 < mfu_per_token_ratio(logs, "20/20", summary["per_type"]["A100"]) < 1.6
     added = [line for line in logs.splitlines() if "Adding 1 node(s) of type a100_spot" in line]
     assert len(added) == 1, added
 

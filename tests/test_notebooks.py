@@ -31,6 +31,7 @@ from pathlib import Path
 import nbformat
 import pytest
 from nbclient import NotebookClient
+from support.noise import RAY_NOISE
 
 from raytrain_lm.clusters.multinode import segments
 
@@ -92,6 +93,8 @@ def outputs_text(cell) -> str:
             parts.append(out.text)
         elif "data" in out:
             parts.append(out.data.get("text/plain", ""))
+            if parts[-1] == "<IPython.core.display.HTML object>":  # shown as its HTML
+                parts.append(out.data.get("text/html", ""))
     return "".join(parts)
 
 
@@ -108,6 +111,10 @@ NOISE = {
         r"Execution plan of Dataset|Starting execution of Dataset|execution finished in"
         r"|Progress bars disabled"
     ),
+    # In a notebook Tune draws its status as HTML.
+    "Tune's status table": re.compile(r"Current time:|Trial name|== Status =="),
+    "Tune's log of its state files": re.compile(r"Wrote the latest version of all result"),
+    **RAY_NOISE,
 }
 REPEATS = 3  # a line printed this often, word for word, is noise (a log per process or task)
 

@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import os
+import re
+import signal
+import subprocess
+import sys
 import threading
 import time
 
 import pytest
 from mlflow.tracking import MlflowClient
+from support.noise import noise_in
 
 import raytrain_lm
 from raytrain_lm.config import load_config
 from raytrain_lm.errors import UserError
 from raytrain_lm.redaction import REDACTED, looks_secret, redact
+from raytrain_lm.runtime import free_port
 from raytrain_lm.tracking import MLflowTracker
 from raytrain_lm.trainer import faults
 
@@ -74,6 +81,70 @@ def test_a_run_whose_store_stays_unreachable_is_refused_leaving_nothing(
     with pytest.raises(UserError, match="tracking store http://127.0.0.1:1 unreachable"):
         raytrain_lm.train(load_config(None, overrides), sample=False)
     assert not (tmp_path / "runs" / "unreachable").exists()
+
+
+def test_ctrl_c_while_waiting_for_the_store_says_nothing_started(
+    ray_session, tiny_overrides, tmp_path
+):
+    """`raytrain-lm train` against a tracking server that is down (its port closed): a warning,
+    then a one-line status while it waits (how long, how long left, how to stop or skip);
+    Ctrl-C then says that nothing started and nothing was written, in one line, and exits as
+    after any Ctrl-C (130), without a traceback and without a file of the run."""
+    store = f"http://127.0.0.1:{free_port()}"
+    overrides = [
+        *(o for o in tiny_overrides if not o.startswith("tracking.uri=")),
+        f"tracking.uri={store}",
+        "name=waits",
+    ]
+    env = {**os.environ, "RAY_ADDRESS": ray_session.get_runtime_context().gcs_address}
+    command = [sys.executable, "-m", "raytrain_lm.cli", "train"]
+    driver = subprocess.Popen(
+        [*command, *(arg for item in overrides for arg in ("--set", item))],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+    )
+    lines: list[str] = []
+    status_shown = threading.Event()
+
+    def read() -> None:
+        for line in driver.stdout:
+            lines.append(line.rstrip("\n"))
+            if "still waiting for tracking store" in line:
+                status_shown.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert status_shown.wait(timeout=300), "\n".join(lines[-30:])
+        driver.send_signal(signal.SIGINT)
+        assert driver.wait(timeout=120) == 130, "\n".join(lines[-30:])
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
+    reader.join(timeout=30)
+    output = "\n".join(lines)
+    warning, status = (
+        next(line for line in lines if text in line)
+        for text in (f"tracking store {store} unreachable", "still waiting")
+    )
+    assert "waiting up to 600 s to open run 'waits' (tracking.start_wait_s)" in warning
+    assert re.fullmatch(
+        rf"\[raytrain-lm\] still waiting for tracking store {re.escape(store)}: \d+ s waited, "
+        r"\d+ s left; Ctrl-C stops, tracking.enabled=false runs without tracking",
+        status,
+    ), status
+    assert lines[-1] == (
+        f"raytrain-lm: interrupted while waiting for tracking store {store}: 'waits' did not "
+        "start and nothing of it was written; start the store (or set tracking.enabled=false) "
+        "and run the command again"
+    ), output[-3000:]
+    assert "Traceback" not in output and "resume" not in output, output[-3000:]
+    assert noise_in(output) == [], output[-3000:]
+    assert [p for p in (tmp_path / "runs").rglob("*") if p.is_file()] == []
 
 
 @pytest.fixture

@@ -47,6 +47,8 @@ UPLOAD_EXCLUDES = [
     "*.safetensors",
     "*.parquet",
 ]
+# ray/_private/ray_constants.py: what Ray leaves out of every working dir unless told.
+RAY_DEFAULT_EXCLUDES_ENV = "RAY_OVERRIDE_RUNTIME_ENV_DEFAULT_EXCLUDES"
 DEFAULT_STORAGE = "$HOME/raytrain-lm"
 _SAFE_STORAGE = re.compile(r"^[A-Za-z0-9_./$~+-]+$")
 # A bucket and an optional prefix, in the schemes pyarrow.fs writes run state to. No `$` or
@@ -231,6 +233,9 @@ def submit(
     command, cfg = entrypoint(config, overrides, working, storage)
     jobs = client(address)
     submission_id = job_id or f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    # Ray's own default excludes are among UPLOAD_EXCLUDES: turned off (an empty list, as Ray
+    # documents), Ray no longer warns at every submit that it leaves each of them out.
+    os.environ.setdefault(RAY_DEFAULT_EXCLUDES_ENV, "")
     # A head that just started may not have its job agent registered yet; the server says
     # "try again later", so do, for a while.
     deadline = time.monotonic() + AGENT_WAIT_S

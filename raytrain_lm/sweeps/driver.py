@@ -18,12 +18,14 @@ import ray
 from ray import tune
 
 from raytrain_lm.config import RunConfig
+from raytrain_lm.console import quiet_tune
 from raytrain_lm.data.prepare import prepare
 from raytrain_lm.errors import UserError, find_user_error
 from raytrain_lm.placement import pin_ray_data_actors_here
 from raytrain_lm.rundir import RunDir
 from raytrain_lm.runtime import ensure_ray, use_gpu
 from raytrain_lm.storage import check_writable, is_uri
+from raytrain_lm.sweeps.progress import TrialLines
 from raytrain_lm.sweeps.record import (
     REPORT_FILE,
     TRIALS_DIR,
@@ -72,9 +74,7 @@ def run_sweep(sweep: Sweep) -> dict[str, Any]:
     gpu, concurrent = connect_ray(sweep, base_cfg)
     if is_uri(sweep.directory):  # one line naming what is missing, not retries for minutes
         check_writable(base_cfg.output_dir, "output_dir")
-    # A local folder, or a prefix in a bucket (which exists once it holds an object).
     trials_dir = sweep.directory / TRIALS_DIR
-    RunDir(trials_dir).create()
     # Trials run in Tune's actors, whose working directory is not ours: pin every path now
     # (and each trial's own values against the same folder: run_trial).
     pinned = base_cfg.resolved()
@@ -87,6 +87,9 @@ def run_sweep(sweep: Sweep) -> dict[str, Any]:
     parent = open_parent_run(sweep, record, git_commit)
     record["parent_run_id"] = parent.run_id
     save_record(sweep.directory, record)
+    # Only now that the tracking store answered (a Ctrl-C while waiting for it leaves no
+    # trace): a local folder, or a prefix in a bucket (which exists once it holds an object).
+    RunDir(trials_dir).create()
     parent.log_artifact(sweep.source, "sweep")
 
     context = {
@@ -117,7 +120,8 @@ def run_sweep(sweep: Sweep) -> dict[str, Any]:
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous_handler = signal.getsignal(signal.SIGINT) if in_main_thread else None
     try:
-        grid = tuner.fit()
+        with quiet_tune():
+            grid = tuner.fit()
     except BaseException:
         settle_children(runs, {}, set())
         parent.finish("KILLED")
@@ -220,8 +224,8 @@ def _tuner(sweep: Sweep, base_cfg: RunConfig, trainable, runs: TrialRuns, concur
             # Tune's checkpoints are pointers to the trials' own (see trial._report); PBT warns
             # below 3 (a donor's may go before the trials copying it have started).
             checkpoint_config=tune.CheckpointConfig(num_to_keep=4),
-            callbacks=[CloseTrialRuns(runs)],
-            verbose=1,
+            callbacks=[CloseTrialRuns(runs), TrialLines(runs)],
+            verbose=0,  # TrialLines says what happens, a line each (console.quiet_tune)
         ),
     )
 

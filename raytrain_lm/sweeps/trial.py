@@ -28,8 +28,10 @@ from ray.train import UserCallback
 from ray.util.queue import Empty, Queue
 
 from raytrain_lm.config import RunConfig, format_validation_error, set_dotted
+from raytrain_lm.console import quiet_trial_reports
 from raytrain_lm.errors import UserError, surface_user_errors
 from raytrain_lm.rundir import RunDir
+from raytrain_lm.runlease import TRIAL_PATIENCE_S, RunLease
 from raytrain_lm.storage import OUTAGE_RETRY_S, Location, filesystem, is_uri, join, retrying
 from raytrain_lm.sweeps.record import record_start
 from raytrain_lm.sweeps.runs import TAG_PBT_DONOR, TAG_PBT_VALUES, TAG_SWEEP, TAG_TRIAL
@@ -90,6 +92,7 @@ def _report(metrics: dict[str, Any], train_checkpoint: str | None) -> None:
     if train_checkpoint is None:
         tune.report(metrics)
         return
+    quiet_trial_reports()
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / POINTER_FILE).write_text(json.dumps({"checkpoint": train_checkpoint}))
         tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(tmp))
@@ -174,7 +177,19 @@ def _delete_folder(location: str) -> None:
 def run_trial(values: dict[str, Any], context: dict[str, Any]) -> None:
     """Tune's trainable: one full Ray Train run with this trial's values, resuming its own
     run directory when it has one (or, under PBT, continuing from the checkpoint of the trial
-    it was told to copy)."""
+    it was told to copy).
+
+    The trial holds its run's lease (runlease.py) from before it copies a donor's checkpoint
+    in. Tune runs a trial in one actor at a time, but starts it again in a new one after the
+    old actor's process died, perhaps on another node: its claim, not renewed, expires within
+    TRIAL_PATIENCE_S, which the new one waits out rather than fail the trial."""
+    name = trial_run_name(context["name"], tune.get_context().get_trial_id())
+    run_dir = RunDir(join(context["trials_dir"], name))
+    with RunLease(run_dir, name, patience_s=TRIAL_PATIENCE_S) as lease:
+        _run_trial(values, context, lease)
+
+
+def _run_trial(values: dict[str, Any], context: dict[str, Any], lease: RunLease) -> None:
     # torch and the whole trainer: only where a trial runs
     from raytrain_lm.trainer.launch import default_ray_env
     from raytrain_lm.trainer.launch import train as launch_train
@@ -234,6 +249,7 @@ def run_trial(values: dict[str, Any], context: dict[str, Any]) -> None:
                 callbacks=[ReportToTune(queue)],
                 may_change=mutable,
                 reports=queue,
+                lease=lease,
             )
     finally:
         finished.set()

@@ -10,7 +10,8 @@
 - `slow-steps:seconds=0.05`: every step takes at least that long, so a test's node changes
   happen mid-run however fast the machine is. Once the run directory holds `PACE_OFF` (the
   test has seen the changes it waited for; see `stop_pacing`) the rest of the run goes at
-  full speed: each worker looks for it about once a second.
+  full speed: each worker looks for it about once a second, within a long step too (a
+  pace of many minutes holds a run at its first step until the test releases it).
 - `device-time:seconds=0.003:rank=1:factor=3`: a simulated device. Every rank's forward pass
   takes `seconds` longer per sequence and its backward twice that (the host sleeps, as it
   waits for a GPU); the named rank's take `factor` times as long, as a slower GPU type beside
@@ -25,6 +26,10 @@
   own process just after that inner step, between two outer syncs (once). A group training
   alone waits for the first such step in a round shared with another group: a slow start of
   the others would otherwise make the death one nobody sees at a sync.
+
+- `kill-chief-after-read`: the replica groups' chief kills its own process just after it
+  logged a read of the pending steps (its tracker then holds metrics it has not sent), at its
+  first read after the test armed it (`arm_chief_kill`), once.
 
 Several at once are joined with `+`: `slow-steps:seconds=0.1+kill-while-healing`.
 
@@ -121,6 +126,20 @@ def maybe_fire(
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+CHIEF_KILL_ARMED = "fault-kill-chief-armed"
+
+
+def arm_chief_kill(run_dir: RunDir | str | Path) -> None:
+    """Fires `kill-chief-after-read` at the chief's next read."""
+    RunDir.coerce(run_dir).write_text("armed\n", CHIEF_KILL_ARMED)
+
+
+def maybe_kill_chief(fault: Fault | Faults | None, run_dir: RunDir) -> None:
+    """`kill-chief-after-read`, where the chief has just logged a read (once armed)."""
+    if find(fault, "kill-chief-after-read") is not None and run_dir.exists(CHIEF_KILL_ARMED):
+        maybe_fire(fault, "kill-chief-after-read", None, 0, run_dir)
+
+
 class Pacer:
     """`slow-steps` for one worker: sleeps out the rest of each step's minimum length until
     the run directory says to stop (ranks that disagree for a second only wait for each
@@ -141,7 +160,16 @@ class Pacer:
             if self.run_dir.exists(PACE_OFF):
                 self.seconds = 0.0
                 return
-        time.sleep(max(0.0, self.seconds - (now - step_started)))
+        remaining = self.seconds - (now - step_started)
+        # A pace longer than a check holds the step only until the run says to stop pacing:
+        # a test can hold a run at a step for as long as it needs, then release it.
+        while remaining > PACE_OFF_CHECK_S:
+            time.sleep(PACE_OFF_CHECK_S)
+            remaining -= PACE_OFF_CHECK_S
+            if self.run_dir.exists(PACE_OFF):
+                self.seconds = 0.0
+                return
+        time.sleep(max(0.0, remaining))
 
 
 def stop_pacing(run_dir: RunDir | str | Path) -> None:

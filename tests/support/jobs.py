@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -13,6 +14,7 @@ from pathlib import Path
 
 from raytrain_lm.trainer.goodput import read_events
 from raytrain_lm.trainer.stopping import STOP_ACKNOWLEDGED
+from support.noise import noise_in
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -36,6 +38,36 @@ def cli(*args: str, timeout: float = 300, **extra_env: str) -> subprocess.Comple
         env=env(**extra_env),
         timeout=timeout,
     )
+
+
+# A variable a test gives `cluster up`, so that every process of that cluster carries it.
+TEST_CLUSTER_ENV = "RAYTRAIN_LM_TEST_CLUSTER"
+
+
+def processes_of(directory: str, tag: dict[str, str]) -> list[str]:
+    """The command lines of running processes that name `directory` or carry `tag` in their
+    environment (zombies, which run nothing, aside)."""
+    import psutil
+
+    (key, value), left = next(iter(tag.items())), []
+    for process in psutil.process_iter(["cmdline", "environ", "status"]):
+        info = process.info
+        if info["status"] == psutil.STATUS_ZOMBIE:
+            continue
+        command = " ".join(info["cmdline"] or ())
+        if directory in command or (info["environ"] or {}).get(key) == value:
+            left.append(command)
+    return left
+
+
+def mfu_per_token_ratio(logs: str, step: str, figures: dict) -> float:
+    """A run's summary MFU per token/s (`figures`: one type's) over its progress line's at
+    `step` ("20/20"): 1 within the line's rounding when both take the same devices' peaks, as
+    they differ only by their tokens/s (the run's, the last interval's)."""
+    shown = re.search(rf" {step} \| .*\| ([\d.]+)k tok/s \| MFU ([\d.]+)%", logs)
+    assert shown and float(shown.group(2)) > 0, shown
+    tokens_per_s, mfu = 1e3 * float(shown.group(1)), float(shown.group(2)) / 100
+    return (figures["mfu"] / figures["tokens_per_s"]) / (mfu / tokens_per_s)
 
 
 def state(dashboard: str, code: str) -> object:
@@ -98,6 +130,8 @@ def submit(url: str, storage: Path, job: str, *args: str, timeout: float) -> str
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert f"submitted job {job}" in done.stdout
+    # What the user reads of the submit and the job it follows: none of Ray's notes.
+    assert noise_in(done.stdout + done.stderr) == [], done.stdout[-3000:] + done.stderr[-3000:]
     assert f"raytrain-lm logs {job} --follow" in done.stdout
     assert cli("status", job, "--address", url).stdout.startswith(f"{job}: SUCCEEDED")
     return cli("logs", job, "--address", url).stdout
