@@ -8,13 +8,17 @@ s later, and a spot notice (drain) on a node `--drain-after` s after that. Per i
   (restart: the survivor restarts too, so from its last step before to its first after);
 - the time back to full strength: from the incident until two workers train again;
 - worker-seconds lost: the survivors' stall plus, under restart, the steps recomputed
-  (steps since the last checkpoint, times the step time, times the workers).
+  (steps since the last checkpoint, times the step time, times the workers);
+and for the node added after the kill (`join`), what the worker already training lost to the
+newcomer: under replicas its gap at the step the new group joined, under restart the time from
+the node's arrival to the first step of the larger group.
 Then, without incidents, tokens/s of the two modes over `--steps` unpaced steps, alternating.
 The incidents are spaced so that each one meets a run that trains (restart mode needs 17 to 36 s
 to come back here); a drain that lands while restart mode is still placing a larger group
 was seen to leave that group waiting for the drained node.
 
     .venv/bin/python benchmarks/replicas_vs_restart.py --rounds 2
+    .venv/bin/python benchmarks/replicas_vs_restart.py --rounds 0   # incidents only
     .venv/bin/python benchmarks/replicas_vs_restart.py --throughput-only --model demo --rounds 3
 """
 
@@ -148,9 +152,50 @@ def measure(result: dict, step_s: float) -> dict:
             "steps_recomputed": recomputed,
             "worker_s_lost": round(lost, 2),
         }
+    out["join"] = _join(events, times["add"], mode)
     goodput = result["summary"]["goodput"]
     out["productive_ratio"] = goodput["productive_ratio"]
     return out
+
+
+def _join(events: list[dict], t: float, mode: str) -> dict:
+    """The node added after the kill: what the worker already training lost to the newcomer.
+    Replicas: the survivor's gap at the step the replacement group joined (the newcomer's own
+    gap is its start; goodput counts the same as replica_join_stall_s). Restart: a resize
+    restart, from the node's arrival to the first step of the larger group."""
+    if mode == "replicas":
+        grew = next(
+            (
+                e
+                for e in events
+                if e["event"] == "replicas_changed"
+                and e["t"] >= t
+                and e["participants"] > e["previous"]
+            ),
+            None,
+        )
+        stayed = [
+            e["gap_s"]
+            for e in events
+            if grew and e["event"] == "replicas_changed" and e["step"] == grew["step"]
+            and not e.get("joined")
+        ]  # fmt: skip
+        stall = max(stayed, default=None)
+    else:
+        grown = next(
+            (e for e in events if e["event"] == "segment_start" and e["t"] >= t
+             and e["world_size"] == 2),
+            None,
+        )  # fmt: skip
+        first = next(
+            (e for e in events if grown and e["event"] == "first_step" and e["t"] >= grown["t"]),
+            None,
+        )
+        stall = first["t"] - t if first else None
+    return {
+        "stall_s": round(stall, 2) if stall is not None else None,
+        "worker_s_lost": round(stall, 2) if stall is not None else None,
+    }
 
 
 def throughput(cluster: LocalCluster, workdir: Path, mode: str, args, round_: int) -> float:
@@ -212,12 +257,13 @@ def main() -> None:
     finally:
         cluster.shutdown()
     speeds = report["tokens_per_s"]
-    report["replicas_over_restart"] = round(
-        statistics.median(speeds["replicas"]) / statistics.median(speeds["restart"]), 3
-    )
-    for incident in ("kill", "drain") if report["incidents"] else ():
+    if args.rounds:
+        report["replicas_over_restart"] = round(
+            statistics.median(speeds["replicas"]) / statistics.median(speeds["restart"]), 3
+        )
+    for incident in ("kill", "join", "drain") if report["incidents"] else ():
         restart, replicas = (report["incidents"][m][incident] for m in ("restart", "replicas"))
-        if replicas["worker_s_lost"]:
+        if replicas["worker_s_lost"] and restart["worker_s_lost"] is not None:
             report[f"{incident}_worker_s_lost_ratio"] = round(
                 restart["worker_s_lost"] / replicas["worker_s_lost"], 2
             )

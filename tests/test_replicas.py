@@ -40,6 +40,8 @@ def cluster():
 def replica_overrides(cluster, tiny_overrides):
     while len(cluster.nodes) < 2:  # a test that killed a node leaves one fewer
         cluster.add_node()
+    while len(cluster.nodes) > 2:  # the drill's third
+        cluster.kill_node()
     return [
         *tiny_overrides,
         *cluster.overrides(),
@@ -61,73 +63,114 @@ def _events(run_dir, kind: str) -> list[dict]:
     return [e for e in read_events(run_dir) if e["event"] == kind]
 
 
-def _both_groups_stepped(event: dict) -> bool:
-    """Two groups committed a step together (a busy machine may take seconds to heal the
-    second group at the start): before that, losing one changes no step's participants."""
-    if event["event"] == "replica_start":  # both in the first quorum: nobody healed
-        return event["participants"] == 2 and not event["healed"]
-    return event["event"] == "replicas_changed" and event["participants"] == 2
+def _stepping_together(groups: int):
+    """Whether `groups` groups committed a step together (a busy machine may take seconds to
+    heal the later ones at the start): before that, losing one changes no step's participants."""
+
+    def matches(event: dict) -> bool:
+        if event["event"] == "replica_start":  # all in the first quorum: nobody healed
+            return event["participants"] == groups and not event["healed"]
+        return event["event"] == "replicas_changed" and event["participants"] == groups
+
+    return matches
+
+
+_both_groups_stepped = _stepping_together(2)
+
+
+def _taking_part(participants: int, after: float):
+    return lambda e: (
+        e["event"] == "replicas_changed" and e["participants"] == participants and e["t"] > after
+    )
+
+
+def _node_of(cluster: LocalCluster, run_dir, group: int):
+    """The node the newest process of replica group `group` runs on."""
+    started = [e for e in _events(run_dir, "replica_start") if e["group"] == group]
+    (node,) = [n for n in cluster.nodes if n.node_id == started[-1]["node"]]
+    return node
+
+
+DRILL_STEPS = 900  # paced until the drill's last incident; the rest at full speed
 
 
 def test_groups_train_on_through_loss_join_heal_kill_and_drain(
     cluster, replica_overrides, tmp_path, monkeypatch
 ):
-    """A node with a group is killed: the other group never stops (same process), the lost
-    group is replaced once capacity comes back and heals from the survivor (weights and
-    optimizer state bit for bit), even when the first replacement is killed while healing;
-    then a spot notice drains a node: its group leaves at a step boundary, nothing recomputed,
-    no checkpoint. Every sequence once, every step logged once, losses equal to an
-    uninterrupted run's."""
-    reference = raytrain_lm.train(
-        load_config(None, [*replica_overrides, "name=steady"]), sample=False
-    )
-    run_dir = tmp_path / "runs" / "chaos"
-    overrides = [*replica_overrides, "name=chaos"]
-    # The first heal after step 20 (the lost group's replacement) is cut short by killing it:
-    # the replacement of the replacement heals. Paced so that the incidents, however slowly a
-    # busy machine starts nodes and workers, come long before the last step.
-    monkeypatch.setenv(faults.ENV_VAR, "slow-steps:seconds=0.4+kill-while-healing:step=20")
-    run = Background(lambda: raytrain_lm.train(load_config(None, overrides), sample=False))
-    wait_for_event(run_dir, _both_groups_stepped, 300, still_running=run)
-    killed_at = time.time()
-    cluster.kill_node()
-    shrunk = wait_for_event(
-        run_dir,
-        lambda e: e["event"] == "replicas_changed" and e["participants"] == 1,
-        120,
-        after=killed_at,
-        still_running=run,
-    )
-    survivor = shrunk["group"]
+    """The chaos drill of issue 44 on three groups, one per node.
+    1. A node with a group is killed: the others never stop; the lost group is replaced once
+       capacity comes back and heals from a survivor (weights and optimizer state bit for bit),
+       even when the first replacement is killed while healing.
+    2. A spot notice drains a node: its group leaves at a step boundary, nothing recomputed,
+       no checkpoint; the cloud then takes the node, and no capacity is left for its group,
+       which waits for it (`replica_held`) instead of blocking Ray Train's controller.
+    3. Meanwhile the chief dies right after logging a read (its tracker holds unsent metrics):
+       its group is replaced on its own node's free slot, and the group that becomes chief
+       logs what the dead one had not stored.
+    4. Meanwhile a node comes back: the waiting group is replaced there.
+    Every sequence once, every step logged once, losses equal to an uninterrupted run's; the
+    groups that were there lose little when a group joins (goodput counts it)."""
     cluster.add_node()
-    grown = wait_for_event(
-        run_dir,
-        lambda e: e["event"] == "replicas_changed" and e["participants"] == 2,
-        300,
-        after=shrunk["t"],
-        still_running=run,
+    overrides = [*replica_overrides, "scaling.max_workers=3", f"training.max_steps={DRILL_STEPS}"]
+    reference = raytrain_lm.train(load_config(None, [*overrides, "name=steady"]), sample=False)
+    run_dir = tmp_path / "runs" / "chaos"
+    overrides = [*overrides, "name=chaos"]
+    # The first heal after step 20 (the lost group 2's replacement) is cut short by killing
+    # it: the replacement of the replacement heals. Paced so that the incidents, however slowly a
+    # busy machine starts nodes and workers, come long before the last step.
+    monkeypatch.setenv(
+        faults.ENV_VAR,
+        "slow-steps:seconds=0.4+kill-while-healing:step=20:rank=2+kill-chief-after-read",
     )
-    drained_at = time.time()
-    drained = cluster.drain_node(deadline_s=120)
-    try:
-        left = wait_for_event(
-            run_dir,
-            lambda e: e["event"] == "replica_drained",
-            60,
-            after=drained_at,
-            still_running=run,
-        )
-        faults.stop_pacing(run_dir)
-        summary = run.wait(600)
-    finally:  # the cloud takes the machine at its deadline; the next tests need its slot
-        cluster.kill_node(drained)
+    run = Background(lambda: raytrain_lm.train(load_config(None, overrides), sample=False))
+    wait_for_event(run_dir, _stepping_together(3), 300, still_running=run)
 
-    assert summary["steps"] == STEPS and not summary["stopped"]
-    assert read_ledger(run_dir).tolist() == list(range(STEPS * GLOBAL_BATCH))
+    # 1. a node lost, then capacity back
+    killed_at = time.time()
+    cluster.kill_node(_node_of(cluster, run_dir, 2))  # the chief is group 0: not it yet
+    shrunk = wait_for_event(run_dir, _taking_part(2, killed_at), 120, still_running=run)
+    cluster.add_node()
+    grown = wait_for_event(run_dir, _taking_part(3, shrunk["t"]), 300, still_running=run)
+
+    # 2. a spot notice; at its deadline the node is gone and no capacity is left
+    drained_at = time.time()
+    drained = cluster.drain_node(_node_of(cluster, run_dir, 1), deadline_s=10)
+    left = wait_for_event(
+        run_dir, lambda e: e["event"] == "replica_drained", 60, after=drained_at, still_running=run
+    )
+    time.sleep(max(0.0, drained_at + 10 - time.time()))  # the cloud's deadline, not a race
+    cluster.kill_node(drained)
+    held = wait_for_event(
+        run_dir, lambda e: e["event"] == "replica_held", 120, after=drained_at, still_running=run
+    )
+
+    # 3. the chief dies between two flushes of its metrics; its slot is free on a live node
+    faults.arm_chief_kill(run_dir)
+    lost_chief = wait_for_event(run_dir, _taking_part(1, held["t"]), 120, still_running=run)
+
+    # 4. meanwhile capacity comes back for the group that waited: both are replaced
+    cluster.add_node()
+    released = wait_for_event(
+        run_dir, lambda e: e["event"] == "replica_released", 600, after=lost_chief["t"],
+        still_running=run,
+    )  # fmt: skip
+    regrown = wait_for_event(run_dir, _taking_part(3, released["t"]), 600, still_running=run)
+    faults.stop_pacing(run_dir)
+    summary = run.wait(600)
+
+    assert summary["steps"] == DRILL_STEPS and not summary["stopped"]
+    assert read_ledger(run_dir).tolist() == list(range(DRILL_STEPS * GLOBAL_BATCH))
     starts = _events(run_dir, "replica_start")
-    survivor_pids = {e["pid"] for e in starts if e["group"] == survivor}
-    assert survivor_pids == {shrunk["pid"]}, "the survivor restarted"
+    # Groups 0 and 1 survive the first loss in their processes (until the drain and the
+    # chief's death end them on purpose).
+    survivors = {e["pid"] for e in starts if e["group"] != 2 and e["t"] < drained_at}
+    assert len(survivors) == 2, "a survivor of the first loss restarted"
     assert grown["step"] > shrunk["step"] and left["step"] >= grown["step"]
+    assert held["group"] == left["group"] == 1
+    assert regrown["step"] > lost_chief["step"]
+    assert lost_chief["group"] == 2  # group 0 was the chief: group 2 spoke for the run after
+    replaced = [e for e in starts if e["t"] > lost_chief["t"] and e["healed"]]
+    assert {e["group"] for e in replaced} == {0, 1}, "the chief's and the drained group's"
     # Healing: what the joiner loaded is what the peer sent, bit for bit.
     sent = {e["step"]: e for e in _events(run_dir, "replica_sent")}
     healed = [e for e in starts if e["healed"]]
@@ -137,18 +180,23 @@ def test_groups_train_on_through_loss_join_heal_kill_and_drain(
         for e in healed
     )
     assert list(tmp_path.glob("runs/chaos/fault-fired-kill-while-healing-*")), "no heal was cut"
-    # The drain: no restart, nothing recomputed, no checkpoint at the drained step.
+    assert list(tmp_path.glob("runs/chaos/fault-fired-kill-chief-after-read-*"))
+    # No restart, nothing recomputed, no checkpoint at the drained step.
     goodput = summary["goodput"]
     assert goodput["restarts"] == 0 and goodput["steps_recomputed"] == 0
     assert 0.2 < goodput["productive_ratio"] <= 1  # one segment, whoever was chief
     incidents = goodput["replica_incidents"]
-    assert incidents >= 2 and 0 < goodput["replica_stall_s"] < 10 * incidents  # restart: 17-36 s
+    assert incidents >= 3 and 0 < goodput["replica_stall_s"] < 10 * incidents  # restart: 17-36 s
+    # Joins: the groups already there wait for the joiner's first step only (it started its
+    # data stream before joining); goodput counts each join's stall.
+    joins = goodput["replica_joins"]
+    assert joins >= 3 and 0 < goodput["replica_join_stall_s"] < 10 * joins
     # Periodic checkpoints only (one may fall on the drained step), none for the drain.
     steps = [int(c.name.split("_")[1]) for c in run_dir.glob("checkpoint_*")]
     assert steps and all(step % CHECKPOINT_EVERY == 0 for step in steps), steps
-    # The same steps as the run that saw none of it.
+    # The same steps as the run that saw none of it, each logged once, the dead chief's too.
     uri = next(o.split("=", 1)[1] for o in overrides if o.startswith("tracking.uri="))
-    assert_same_step_losses(uri, summary["mlflow_run_id"], reference["mlflow_run_id"], STEPS)
+    assert_same_step_losses(uri, summary["mlflow_run_id"], reference["mlflow_run_id"], DRILL_STEPS)
 
 
 def _wait_for_checkpoint_after(run_dir, step: int, run: Background, timeout: float = 300) -> int:

@@ -19,8 +19,9 @@ class ReplicasConfig(_Section):
     join_timeout_s: float = Field(
         2.0,
         ge=0.0,
-        description="how long a quorum waits for known groups that have not asked yet "
-        "before it goes on with those that did (at least scaling.min_workers)",
+        description="how long a quorum that lacks a group of the last one waits for known "
+        "groups that have not asked yet before it goes on with those that did (at least "
+        "scaling.min_workers): what the others stall when a group is lost",
     )
     quorum_timeout_s: float = Field(
         10.0,

@@ -12,7 +12,7 @@ resumes exactly.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -159,6 +159,44 @@ def stream_train_batches(
         if len(failed):
             raise UserError(str(batch[ERROR_COLUMN][failed[0]]))
         yield batch["position"], batch["tokens"]
+
+
+class StepStream:
+    """A stream of whole steps (replica groups read every step whole) that knows which step
+    its next batch belongs to, opened and its first batch read when it is made: Ray Data starts
+    its reader then, before the group joins the others, so that a joining group does not keep
+    them waiting while it starts. `seek` moves it to the step the group healed to: forward by
+    reading on (a few steps: it was opened at the run's step as last seen), back by opening
+    it again."""
+
+    def __init__(self, open_at: Callable[[int], Iterator], step: int):
+        self._open_at = open_at
+        self._open(step)
+
+    def _open(self, step: int) -> None:
+        self.step = step
+        self._batches = self._open_at(step)
+        self._first = next(self._batches, None)  # None: nothing left to read from `step`
+
+    def __iter__(self) -> StepStream:
+        return self
+
+    def __next__(self) -> tuple[np.ndarray, np.ndarray]:
+        batch, self._first = self._first, None
+        if batch is None:
+            batch = next(self._batches)
+        self.step += 1
+        return batch
+
+    def seek(self, step: int) -> None:
+        if step < self.step:
+            self.close()
+            self._open(step)
+        while self.step < step:
+            next(self)
+
+    def close(self) -> None:
+        self._batches.close()
 
 
 @dataclass(frozen=True)

@@ -72,8 +72,9 @@ class FailureEvents(UserCallback):
 
     def after_exception(self, run_context: Any, worker_exceptions: dict[int, Exception]) -> None:
         kinds = sorted({type(e).__name__ for e in worker_exceptions.values()})
-        segment = self._current_segment()
-        key = (segment or {}).get("segment", "")
+        events = read_events(self.run_dir)
+        segment = _current_segment(events)
+        key = _failure_key(events, segment, sorted(worker_exceptions))
         if key in self._handled:
             return  # the controller reports the same failure on every poll until it acts
         self._handled.add(key)
@@ -85,10 +86,6 @@ class FailureEvents(UserCallback):
         if self.node_loss_wait_s > 0 and segment and segment.get("nodes"):
             self._wait_for_lost_nodes(set(segment["nodes"]))
 
-    def _current_segment(self) -> dict[str, Any] | None:
-        starts = [e for e in read_events(self.run_dir) if e["event"] == "segment_start"]
-        return starts[-1] if starts else None
-
     def _wait_for_lost_nodes(self, nodes_at_start: set[str]) -> None:
         deadline = time.monotonic() + self.node_loss_wait_s
         while time.monotonic() < deadline:
@@ -98,6 +95,21 @@ class FailureEvents(UserCallback):
                 refresh_capacity_view()
                 return
             time.sleep(0.25)
+
+
+def _current_segment(events: list[dict[str, Any]]) -> dict[str, Any] | None:
+    starts = [e for e in events if e["event"] == "segment_start"]
+    return starts[-1] if starts else None
+
+
+def _failure_key(
+    events: list[dict[str, Any]], segment: dict[str, Any] | None, ranks: list[int]
+) -> tuple:
+    """What tells one failure from the next: a worker group's restart starts a segment;
+    replica groups stay in one segment and are replaced one by one, so there each failed
+    group's process (its latest `replica_start`) tells them apart."""
+    pids = {e["group"]: e["pid"] for e in events if e["event"] == "replica_start"}
+    return ((segment or {}).get("segment", ""), tuple((r, pids.get(r)) for r in ranks))
 
 
 class EndAfterReplicasDone(UserCallback):
@@ -119,9 +131,11 @@ class EndAfterReplicasDone(UserCallback):
         # Unpickled in the controller's process, the one place it can end the controller; and
         # in every worker's, with the run's config, where its watch would end that worker.
         self.__dict__.update(state)
-        if _in_controller():
+        # Ray Train unpickles the run's callbacks more than once in its controller: one watch
+        if _in_controller() and self.run_dir not in _WATCHED:
             import threading
 
+            _WATCHED.add(self.run_dir)
             threading.Thread(target=self._watch, name="replicas-done", daemon=True).start()
 
     def _watch(self) -> None:
@@ -140,6 +154,9 @@ class EndAfterReplicasDone(UserCallback):
                 append_event(self.run_dir, "controller_ended", waited_s=grace_s)
                 ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
                 return
+
+
+_WATCHED: set[str] = set()  # run directories a replicas-done watch runs for, in this process
 
 
 def _in_controller() -> bool:

@@ -70,8 +70,6 @@ class DilocoWorker(ReplicaWorker):
 
     def __init__(self, spec: WorkerSpec, ray_side: RaySide, rank: int, world: int, t_start):
         super().__init__(spec, ray_side, rank, world, t_start)
-        from torchft.local_sgd import DiLoCo
-
         settings = spec.config.diloco
         if settings.quantize and self.device.type != "cuda":
             raise UserError("diloco.quantize needs CUDA (torchft's fused fp8 kernels)")
@@ -90,11 +88,29 @@ class DilocoWorker(ReplicaWorker):
             )
             for fragment in fragments
         ]
-        # Built before the first quorum: it registers each fragment's start weights and outer
-        # optimizer with the Manager, so that a group joining at a sync heals them too.
+        self.fragments: list = []  # torchft's, built on the Manager (_on_manager)
+        self.unit_start: UnitStart | None = None
+        self.model_fragments = fragments
+        self.outer_scale = 1.0
+        self.joined_round: tuple[list[float], int, int] | None = None
+        for outer in self.outer_optimizers:
+            outer.register_step_pre_hook(self._scale_outer_gradients)
+        self.every = _round_cadences(self.every)
+        self.outer_steps = 0
+        self.weight_syncs = 0.0  # the whole model's worth of pseudo-gradients all-reduced
+        self.leaves_after_round = False  # this group said at the sync that it leaves
+        self.quorum_stale = False  # groups left since the last quorum (a spot notice)
+
+    def _on_manager(self, manager) -> None:
+        """torchft's DiLoCo, made before the first quorum: it registers each fragment's start
+        weights and outer optimizer with the Manager, so that a group joining at a sync heals
+        them too."""
+        from torchft.local_sgd import DiLoCo
+
+        settings = self.cfg.diloco
         self.diloco = DiLoCo(
-            CountingManager(self.quorum.manager, self.quorum.bytes),
-            fragments,
+            CountingManager(manager, self.quorum.bytes),
+            self.model_fragments,
             self.optimizer,
             self.outer_optimizers,
             sync_every=self.sync_every,
@@ -107,20 +123,8 @@ class DilocoWorker(ReplicaWorker):
             should_quantize=settings.quantize,
         )
         self.fragments = self.diloco._fragments  # driven here: syncs happen where we say
-        self.unit_start = (
-            UnitStart(self.model, self.outer_optimizers, self.fragments, self.quorum.manager)
-            if streaming
-            else None  # one fragment: its own saved weights are the round's start
-        )
-        self.outer_scale = 1.0
-        self.joined_round: tuple[list[float], int, int] | None = None
-        for outer in self.outer_optimizers:
-            outer.register_step_pre_hook(self._scale_outer_gradients)
-        self.every = _round_cadences(self.every)
-        self.outer_steps = 0
-        self.weight_syncs = 0.0  # the whole model's worth of pseudo-gradients all-reduced
-        self.leaves_after_round = False  # this group said at the sync that it leaves
-        self.quorum_stale = False  # groups left since the last quorum (a spot notice)
+        if settings.fragments > 1:  # one fragment: its own saved weights are the round's start
+            self.unit_start = UnitStart(self.model, self.outer_optimizers, self.fragments, manager)
 
     @property
     def checkpointed_optimizer(self) -> InnerAndOuter:
@@ -133,6 +137,8 @@ class DilocoWorker(ReplicaWorker):
         their round (healed from them) commits their round with them, and does that round's
         duties in the loop's first pass, as they do (`_take_step`)."""
         super().restore(offered)
+        if self.quorum is None:  # the run was done before this group started
+            return
         if self.healed_at is None:  # restored from a checkpoint (or the seed)
             self._unit_committed()
         else:  # the peer's weights mid-round: contribute none of them
@@ -237,9 +243,8 @@ class DilocoWorker(ReplicaWorker):
             self._read_from_here()
 
     def _read_from_here(self):
-        """The data stream again, from the run's step now (a round retaken, a heal)."""
-        self.batches.close()
-        self.batches = self._batches()
+        """The data stream from the run's step now (a round retaken, a heal)."""
+        self.batches.seek(self.state.step)
         return self.batches
 
     def _sync(self, losses, norms, taken, stop, clean=True, length=0, trained=True):
@@ -277,7 +282,8 @@ class DilocoWorker(ReplicaWorker):
         )
         leavers = [0.0] * self.groups  # by place in this quorum: who leaves after this unit
         leavers[self.participant] = float(leaving)
-        host = [*checksum, float(trained), stop, *roster, *leavers, float(clean), length]
+        stored = float(self.tracker.stored_through + 1) if self.is_chief else 0.0
+        host = [*checksum, float(trained), stop, stored, *roster, *leavers, float(clean), length]
         values = torch.cat(
             [
                 torch.stack(losses).double().reshape(-1),
@@ -395,7 +401,8 @@ class DilocoWorker(ReplicaWorker):
         self.outer_steps += 1
         self._note_membership(first + length)
         self.stop_seen = summed[2 * u + 4] > 0
-        roster = summed[2 * u + 5 :]
+        self.tracker.confirm(round(summed[2 * u + 5]) - 1)  # what the chief's store holds
+        roster = summed[2 * u + 6 :]
         self._note_roster(roster[: SLOTS_PER_PARTICIPANT * trainers])
         slots = SLOTS_PER_PARTICIPANT * self.groups
         self._plan_without_leavers(roster[slots : slots + self.groups])

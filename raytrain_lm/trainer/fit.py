@@ -32,6 +32,7 @@ def fit(spec: WorkerSpec, callbacks: list | None = None) -> None:
 
     from raytrain_lm.trainer.callbacks import EndAfterReplicasDone, FailureEvents
     from raytrain_lm.trainer.loop import train_loop_per_worker
+    from raytrain_lm.trainer.replica_placement import ReplaceWhenPlaceable
 
     cfg, run_dir = spec.config, spec.run_dir
     fault = cfg.fault
@@ -64,7 +65,10 @@ def fit(spec: WorkerSpec, callbacks: list | None = None) -> None:
             callbacks=[
                 FailureEvents(str(run_dir), fault.node_loss_wait_s if cfg.scaling.elastic else 0.0),
                 *(
-                    [EndAfterReplicasDone(str(run_dir), grace_s=10 * fault.health_check_s + 5)]
+                    [
+                        EndAfterReplicasDone(str(run_dir), grace_s=10 * fault.health_check_s + 5),
+                        ReplaceWhenPlaceable(str(run_dir)),
+                    ]
                     if cfg.scaling.fault_tolerance == "replicas"
                     else []
                 ),

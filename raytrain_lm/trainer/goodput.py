@@ -16,7 +16,7 @@ previous one lost:
 - `segment_end` (rank 0 of the next group, from the heartbeat): how far a group got.
 - `replicas_changed` (each replica group, `scaling.fault_tolerance=replicas`): the number of
   groups taking part changed at `step`; `gap_s` since the group's previous committed step is
-  the survivors' stall.
+  the survivors' stall (`joined`: the group itself joined at that step).
 - `replica_price` (the replica groups' chief): what the groups taking part cost together
   per hour, from `t` on (each group's `fault.price_per_hour`).
 
@@ -136,10 +136,14 @@ class Goodput:
     replica_incidents: int = 0  # replica groups lost or drained while the others went on
     replica_stall_s: float = 0.0  # the survivors' longest gap at each of them, summed
     full_strength_s: float = 0.0  # from each incident until as many groups took part again
+    replica_joins: int = 0  # steps at which groups joined the others (healed from them)
+    replica_join_stall_s: float = 0.0  # the others' longest gap at each of them, summed
 
     @property
     def productive_ratio(self) -> float:
-        return max(0.0, self.step_s - self.recomputed_s) / self.wall_s if self.wall_s else 0.0
+        # Replica groups' stalls fall inside their steps' time, but trained nothing.
+        stalled = self.recomputed_s + self.replica_stall_s + self.replica_join_stall_s
+        return max(0.0, self.step_s - stalled) / self.wall_s if self.wall_s else 0.0
 
     def metrics(self, tokens: int, tokens_per_step: int = 0) -> dict[str, float]:
         out = {
@@ -156,6 +160,11 @@ class Goodput:
                 "goodput/replica_incidents": self.replica_incidents,
                 "goodput/replica_stall_s": self.replica_stall_s,
                 "goodput/full_strength_s": self.full_strength_s,
+            }
+        if self.replica_joins:
+            out |= {
+                "goodput/replica_joins": self.replica_joins,
+                "goodput/replica_join_stall_s": self.replica_join_stall_s,
             }
         if tokens:
             out["cost/per_million_tokens"] = self.cost / (tokens / 1e6)
@@ -255,7 +264,8 @@ def _segment_cost(start: dict[str, Any], until: float, changes: list[dict[str, A
 def _replica_incidents(g: Goodput, events: list[dict[str, Any]], now: float | None) -> None:
     """Incidents of replica groups: each step at which fewer groups took part than before
     (every group records what it saw: one incident per step), its stall, and the time until
-    as many took part as before it."""
+    as many took part as before it; and each step at which groups joined, with the stall of
+    the groups that were there (the joiners' own gap is their start)."""
     changes: dict[int, list[dict[str, Any]]] = {}
     for e in events:
         if e["event"] == "replicas_changed":
@@ -268,6 +278,10 @@ def _replica_incidents(g: Goodput, events: list[dict[str, Any]], now: float | No
             g.replica_incidents += 1
             g.replica_stall_s += max(e["gap_s"] for e in seen)
             open_since.append((first["t"], first["previous"]))
+        elif first["participants"] > first["previous"]:
+            stayed = [e["gap_s"] for e in seen if not e.get("joined")]
+            g.replica_joins += 1
+            g.replica_join_stall_s += max(stayed, default=0.0)
         restored = [(t, n) for t, n in open_since if first["participants"] >= n]
         for t, n in restored:
             g.full_strength_s += first["t"] - t

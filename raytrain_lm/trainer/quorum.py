@@ -16,6 +16,7 @@ import torch
 
 from raytrain_lm.config import RunConfig
 from raytrain_lm.tracking import Tracker
+from raytrain_lm.trainer import faults
 from raytrain_lm.trainer.progress import ProgressBar, announce
 
 if TYPE_CHECKING:
@@ -286,14 +287,44 @@ class Quorum:
 
 
 class ChiefTracker:
-    """Every group holds a tracker; only the current chief's calls reach MLflow."""
+    """Every group holds a tracker; only the current chief's calls reach MLflow.
+
+    What the chief logged is stored by its tracker in the background, so a chief that dies
+    takes its unsent metrics with it. Every group therefore keeps what it would have logged
+    until the chief says, in a step's sums, that its store holds it (`confirm`); a group that
+    becomes chief logs what it kept where the store lacks it (`MLflowTracker.log_missing`):
+    each step once, whoever logged it."""
 
     def __init__(self, tracker: Tracker, worker: ReplicaWorker):
         self.tracker, self.worker = tracker, worker
+        self.kept: list[tuple[int, dict[str, float], bool]] = []  # (step, metrics, logged)
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        if self.worker.speaks_for_run:
+        speaks = self.worker.speaks_for_run
+        if speaks:
+            unlogged = [(s, m) for s, m, logged in self.kept if not logged]
+            if unlogged:  # another chief's steps: the store may lack some
+                self.tracker.log_missing(unlogged)
+                self.kept = [(s, m, True) for s, m, _ in self.kept]
             self.tracker.log_metrics(metrics, step=step)
+            faults.maybe_kill_chief(self.worker.spec.fault, self.worker.run_dir)
+        self.kept.append((step, metrics, speaks))
+
+    @property
+    def stored_through(self) -> int:
+        """What this group, as chief, tells the others its store holds (-1: nothing)."""
+        return self.tracker.stored_through
+
+    def confirm(self, stored_through: int) -> None:
+        """The chief's store holds every step up to `stored_through`: forget them."""
+        self.kept = [row for row in self.kept if row[0] > stored_through]
+
+    def handover(self) -> list[tuple[int, dict[str, float]]]:
+        """What a group healing from this one keeps in its place (not logged by it)."""
+        return [(step, metrics) for step, metrics, _ in self.kept]
+
+    def adopt(self, kept: list[tuple[int, dict[str, float]]]) -> None:
+        self.kept = [(step, metrics, False) for step, metrics in kept]
 
     def flush(self) -> None:
         self.tracker.flush()

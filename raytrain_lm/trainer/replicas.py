@@ -30,12 +30,14 @@ import hashlib
 import os
 import time
 from dataclasses import asdict, replace
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
+from raytrain_lm.data.stream import StepStream, WorkerSlice
 from raytrain_lm.errors import UserError
 from raytrain_lm.tracking import Tracker
 from raytrain_lm.trainer import faults, hardware, signals
@@ -43,6 +45,7 @@ from raytrain_lm.trainer.balance import type_weights
 from raytrain_lm.trainer.cadence import Flags
 from raytrain_lm.trainer.checkpoint import TrainState, latest_complete_checkpoint, read_state
 from raytrain_lm.trainer.chief_uploads import ChiefUploads
+from raytrain_lm.trainer.goodput import Heartbeat
 from raytrain_lm.trainer.plan import BatchPlan
 from raytrain_lm.trainer.progress import ProgressBar, announce
 from raytrain_lm.trainer.quorum import (
@@ -67,6 +70,9 @@ if TYPE_CHECKING:
     from raytrain_lm.trainer.loop import RaySide
     from raytrain_lm.trainer.spec import WorkerSpec
 
+# A chief's heartbeat (every 0.5 s) younger than this says where the groups training are.
+HEARTBEAT_FRESH_S = 10.0
+
 
 class ReplicaWorker(Worker):
     """A replica group of one worker (see the module docstring)."""
@@ -78,8 +84,9 @@ class ReplicaWorker(Worker):
         super().__init__(spec, ray_side, 0, 1, t_start)  # a process group of one worker
         if self.strategy != "ddp":
             raise UserError("scaling.fault_tolerance=replicas trains with parallel.strategy=ddp")
-        self.quorum = Quorum(spec.config, self.group, self.device, self._for_peer, self._from_peer)
+        self.quorum: Quorum | None = None  # made as the group joins (restore)
         self.healed_at: float | None = None
+        self.joining = False  # healed from a peer, and no step committed since
         self.whole_step: tuple[int, np.ndarray, np.ndarray] | None = None
         self.stop_seen = False
         self.leaving = False
@@ -128,6 +135,7 @@ class ReplicaWorker(Worker):
             "train": asdict(self.state),
             "last_report_step": self.last_report_step,
             "unlogged": self.pending.snapshot(),  # the healed group may be the next chief
+            "unstored": self.tracker.handover(),  # logged, maybe not stored: ChiefTracker
             "participants": self.seen_participants,
             "segment": self.segment,  # one worker group's life, for goodput, whoever writes
             "price_seen": self.price_seen,
@@ -144,11 +152,13 @@ class ReplicaWorker(Worker):
         self.last_report_step = state["last_report_step"]
         self.ledger = self._committed_since(self.last_report_step, self.state.step)
         self.pending.adopt(state["unlogged"], self.device)
+        self.tracker.adopt(state["unstored"])
         self.seen_participants = state["participants"]
         self.segment = state["segment"]
         self.price_seen = state["price_seen"]
         self.peer_throughput = state["throughput"]
         self.healed_at = time.time()
+        self.joining = True  # until its first committed step
 
     def _digest(self) -> dict[str, str]:
         """SHA-256 of the weights and of the optimizer's state, bit for bit."""
@@ -172,9 +182,18 @@ class ReplicaWorker(Worker):
     def restore(self, offered) -> None:
         """Joins the first quorum: heals from a live peer if there is one ahead, else (no
         group has trained yet in this invocation) restores the run's newest checkpoint."""
-        if self._run_already_done():
-            self.state = read_state(latest_complete_checkpoint(self.run_dir))
+        latest = latest_complete_checkpoint(self.run_dir)
+        restorable = read_state(latest) if latest is not None else TrainState()
+        if restorable.step >= self.end_step:  # started after the others finished: nothing to join
+            self.state = restorable
             return
+        # Everything a step needs is made, and the data stream's first batch read, before this
+        # group's Manager exists (its heartbeats make it known to the Lighthouse): a group that
+        # joins then takes its first step as soon as it has healed, and the others, who wait
+        # for its part of that step, do not wait for it to start.
+        self._prepare_loop(step=self._expected_step(restorable.step))
+        self.quorum = Quorum(self.cfg, self.group, self.device, self._for_peer, self._from_peer)
+        self._on_manager(self.quorum.manager)
         self.participant, self.participants = self.quorum.form()
         self.quorum_formed = True  # the first step uses this quorum
         if self.healed_at is None:
@@ -186,16 +205,23 @@ class ReplicaWorker(Worker):
             self.segment = hashlib.sha256(where.encode()).hexdigest()[:12]
         self.throughput = type(self.throughput)(first_step=self.state.step)
         self._adopt_peer_throughput()
+        self.batches.seek(self.state.step)
+
+    def _on_manager(self, manager) -> None:
+        """What is built on this group's torchft Manager before its first quorum (DiLoCo)."""
+
+    def _expected_step(self, restorable: int) -> int:
+        """The step this group will most likely take first: the run's, as its chief's
+        heartbeat said a moment ago (other groups train: it heals to about there), else the
+        newest checkpoint's (it restores that)."""
+        beat = Heartbeat.read(self.run_dir)
+        fresh = beat is not None and time.time() - beat.t < HEARTBEAT_FRESH_S
+        return beat.step if fresh and beat.step > restorable else restorable
 
     def _adopt_peer_throughput(self) -> None:
         if self.peer_throughput is not None:
             vars(self.throughput).update(self.peer_throughput)
             self.peer_throughput = None
-
-    def _run_already_done(self) -> bool:
-        """A replacement group that starts after the others finished has nothing to join."""
-        latest = latest_complete_checkpoint(self.run_dir)
-        return latest is not None and read_state(latest).step >= self.end_step
 
     def start(self) -> None:
         """Records this group's start (its process, whether it healed); the chief of a fresh
@@ -206,6 +232,7 @@ class ReplicaWorker(Worker):
             "replica_start",
             group=self.group,
             pid=os.getpid(),
+            node=self.ray.node_id(),
             step=self.state.step,
             t_start=self.t_start,
             healed=self.healed_at is not None,
@@ -250,7 +277,8 @@ class ReplicaWorker(Worker):
             self._event(signals.REPLICAS_TOO_FEW, group=self.group, step=self.state.step,
                         reason=str(exc))  # fmt: skip
         self.uploads.join()
-        self.quorum.manager.shutdown(wait=False)
+        if self.quorum is not None:
+            self.quorum.manager.shutdown(wait=False)
         if self.leaving and self.participants > 1:
             self.participant = None  # the others go on: it is chief no more
         ended = self.state.step >= self.end_step or self.stop_seen or self.leaving or lost
@@ -274,8 +302,7 @@ class ReplicaWorker(Worker):
             self.quorum_formed = False
             if state.step != before:  # healed from a peer that was ahead: read from there on
                 self._adopt_peer_throughput()
-                self.batches.close()
-                self.batches = batches = self._batches()
+                self.batches.seek(state.step)
             if self.whole_step is None or self.whole_step[0] != state.step:
                 waited = time.perf_counter()
                 positions, tokens = next(batches)
@@ -293,8 +320,11 @@ class ReplicaWorker(Worker):
             loss = accumulate_gradients(step_parts, tokens[mine])
             taken = positions[mine]
             stop = float(self.is_chief and self._stop_due())
+            stored = float(self.tracker.stored_through + 1) if self.is_chief else 0.0
             roster = roster_slots(p, self.participants, self.types[0], self.my_price)
-            host = torch.tensor([*position_checksum(taken), stop, *roster], dtype=torch.float64)
+            host = torch.tensor(
+                [*position_checksum(taken), stop, stored, *roster], dtype=torch.float64
+            )
             values = torch.cat([loss.double().reshape(1), host.to(self.device)])
             # No DDP (a process group of one): the groups' gradients are reduced here.
             sums = self.quorum.reduce_step(self.model, values)
@@ -304,8 +334,9 @@ class ReplicaWorker(Worker):
             announce(f"step {state.step + 1} did not commit (a group was lost): taking it again")
         summed = sums.tolist()
         roster = summed[len(summed) - SLOTS_PER_PARTICIPANT * self.participants :]
-        global_loss, *checksum, stops = summed[: len(summed) - len(roster)]
+        global_loss, *checksum, stops, stored = summed[: len(summed) - len(roster)]
         check_step_taken(state.step, plan.global_batch, checksum)
+        self.tracker.confirm(int(stored) - 1)  # what the chief's store holds
         self._note_membership(state.step + 1)
         self.stop_seen = stops > 0
         state.step += 1
@@ -339,12 +370,14 @@ class ReplicaWorker(Worker):
                 participants=self.participants,
                 previous=self.seen_participants,
                 gap_s=round(now - self.last_commit_t, 3),
+                joined=self.joining,
             )
             announce(
                 f"step {step}: {self.participants} replica groups take part "
                 f"(were {self.seen_participants})",
                 self.is_chief,
             )
+        self.joining = False
         self.seen_participants, self.last_commit_t = self.participants, now
 
     def _initial_plan(self) -> BatchPlan:
@@ -356,11 +389,10 @@ class ReplicaWorker(Worker):
         # chief holds exactly the steps the last chief did not log.
         return set()
 
-    def _batches(self, part=None):
-        from raytrain_lm.data.stream import WorkerSlice
-
+    def _batches(self, part=None, step: int | None = None) -> StepStream:
         g = self.cfg.training.global_batch_size
-        return super()._batches(WorkerSlice(0, 1, g))  # every group reads whole steps
+        whole_steps = partial(super()._batches, WorkerSlice(0, 1, g))  # every group reads them
+        return StepStream(whole_steps, self.state.step if step is None else step)
 
     def _roster_of_shares(self) -> tuple[list[str], list[float]]:
         if len(self.participant_types) == len(self.plan.shares):  # the step's (roster.py)
