@@ -46,7 +46,7 @@ import torch
 from torch.distributed import ReduceOp
 
 from raytrain_lm.errors import UserError
-from raytrain_lm.trainer import faults
+from raytrain_lm.trainer import faults, torchft_adapter
 from raytrain_lm.trainer.cadence import Cadences, Flags
 from raytrain_lm.trainer.diloco_parts import (
     CountingManager,
@@ -122,7 +122,8 @@ class DilocoWorker(ReplicaWorker):
             use_bucketization=True,
             should_quantize=settings.quantize,
         )
-        self.fragments = self.diloco._fragments  # driven here: syncs happen where we say
+        torchft_adapter.check_diloco(self.diloco)
+        self.fragments = torchft_adapter.diloco_fragments(self.diloco)
         if settings.fragments > 1:  # one fragment: its own saved weights are the round's start
             self.unit_start = UnitStart(self.model, self.outer_optimizers, self.fragments, manager)
 
@@ -344,7 +345,7 @@ class DilocoWorker(ReplicaWorker):
         still holds that sync's error if it did not commit (only a new quorum clears it: every
         all-reduce and commit would fail until then). A failure of that quorum's process
         groups is still reported: the Manager asks them at each commit."""
-        self.quorum.manager._errored = None
+        torchft_adapter.forget_failed_sync(self.quorum.manager)
 
     def _unit_committed(self) -> None:
         """This point is a sync of the whole model: what a unit that fails goes back to."""

@@ -16,7 +16,7 @@ import torch
 
 from raytrain_lm.config import RunConfig
 from raytrain_lm.tracking import Tracker
-from raytrain_lm.trainer import faults
+from raytrain_lm.trainer import faults, torchft_adapter
 from raytrain_lm.trainer.progress import ProgressBar, announce
 
 if TYPE_CHECKING:
@@ -217,6 +217,7 @@ class Quorum:
             checkpoint_transport=PGTransport(pg, timeout=timeout, device=device),
             init_sync=False,  # every group builds the same weights from the seed
         )
+        torchft_adapter.check_manager(self.manager)
 
     def form(self) -> tuple[int | None, int]:
         """Waits for a quorum (healing first if this group is behind); returns this group's
@@ -229,9 +230,7 @@ class Quorum:
                 self.manager.start_quorum()
                 break
             except Exception as exc:  # no quorum within replicas.quorum_timeout_s
-                # torchft keeps the failed attempt and raises it again at every later call;
-                # forgetting it is what lets a new attempt be made (torchft 0.2 has no API).
-                self.manager._quorum_future = None
+                torchft_adapter.forget_failed_quorum(self.manager)
                 if not lighthouse_answers(self.addresses.lighthouse):
                     raise LighthouseLost(self.addresses.lighthouse or "?") from None
                 waited = time.monotonic() - waited_from
