@@ -91,7 +91,7 @@ def _node_of(cluster: LocalCluster, run_dir, group: int):
     return node
 
 
-DRILL_STEPS = 900  # paced until the drill's last incident; the rest at full speed
+DRILL_STEPS = 880  # a multiple of CHECKPOINT_EVERY; paced until the drill's last incident; the rest at full speed
 
 
 def test_groups_train_on_through_loss_join_heal_kill_and_drain(
