@@ -209,6 +209,34 @@ def test_tracker_buffers_while_the_server_is_down(server):
     assert sorted(names) == ["buffered", "fresh"]  # nothing opened twice
 
 
+def test_a_chief_that_hands_over_stores_its_steps_first(server):
+    """A replica groups' chief logs step 2 while the store is away, so the row waits out the
+    tracker's backoff. The store comes back and a group that joined becomes chief: as the old
+    chief takes its new place it stores what it logged (trainer/replicas.py), before the new
+    chief logs the steps the store lacks, so no step is logged twice."""
+    from types import SimpleNamespace
+
+    from raytrain_lm.trainer.replicas import ReplicaWorker
+
+    old = MLflowTracker.start(server.uri, "handover", "chief", None)
+    new = MLflowTracker.start(server.uri, "handover", "chief", old.run_id)
+    old.log_metrics({"train/loss": 1.0}, step=1)
+    old.flush()
+    server.stop()
+    old.log_metrics({"train/loss": 0.5}, step=2)
+    old.flush()  # one failed attempt: the row waits for the store and a retry
+    assert old.stored_through == 1
+    server.start()
+    chief = SimpleNamespace(_participant=0, tracker=old)
+    ReplicaWorker.participant.fset(chief, 1)  # the quorum that put the joiner first
+    assert old.stored_through == 2
+    new.log_missing([(1, {"train/loss": 1.0}), (2, {"train/loss": 0.5})])
+    new.finish()
+    old.finish(status=None)
+    history = MlflowClient(tracking_uri=server.uri).get_metric_history(old.run_id, "train/loss")
+    assert sorted(m.step for m in history) == [1, 2]
+
+
 def test_training_run_survives_a_tracking_outage(
     ray_session, tiny_overrides, server, tmp_path, monkeypatch
 ):

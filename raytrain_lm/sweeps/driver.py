@@ -107,7 +107,7 @@ def run_sweep(sweep: Sweep) -> dict[str, Any]:
     trainable = tune.with_resources(
         tune.with_parameters(run_trial, context=context), {"CPU": TRIAL_CPU}
     )
-    runs = TrialRuns(record["tracking_uri"], parent.run_id)
+    runs = TrialRuns(record["tracking_uri"], parent.run_id, str(trials_dir))
     tuner = _tuner(sweep, base_cfg, trainable, runs, concurrent)
     print(
         f"[raytrain-lm] sweep '{sweep.name}': {len(sweep.spec.space)} keys, up to "

@@ -10,14 +10,17 @@ knows it (`CloseTrialRuns`), and none stays RUNNING once the driver stops
 from __future__ import annotations
 
 import json
+from os.path import join
 from typing import Any
 
 from ray.tune import Callback
 
 from raytrain_lm.config import flatten
+from raytrain_lm.rundir import TOKENIZER_FILE, RunDir
 from raytrain_lm.sweeps.plots import log_loss_curve
 from raytrain_lm.sweeps.spec import Sweep
 from raytrain_lm.tracking import MLflowTracker
+from raytrain_lm.trainer.checkpoint import MODEL_FILE, latest_complete_checkpoint, read_state
 
 TAG_SWEEP = "raytrain_lm.sweep"
 TAG_TRIAL = "raytrain_lm.trial_id"
@@ -56,8 +59,9 @@ def open_parent_run(sweep: Sweep, record: dict[str, Any], git_commit: str | None
 class TrialRuns:
     """The sweep's MLflow parent run and its children, as the driver sees them."""
 
-    def __init__(self, uri: str, parent_run_id: str):
+    def __init__(self, uri: str, parent_run_id: str, trials_dir: str | None = None):
         self.uri, self.parent_run_id = uri, parent_run_id
+        self.trials_dir = trials_dir  # where the trials' run directories are (None: unknown)
 
     @property
     def client(self):
@@ -89,10 +93,31 @@ class TrialRuns:
         sweep interrupted), with its loss curve. `stopped_early` is Tune's word, which comes
         after the report that made the scheduler stop the trial: a trial that trained to its
         last step meanwhile is not marked so."""
-        if stopped_early and stopped_before_its_end(self.client, run):
-            self.client.set_tag(run.info.run_id, TAG_STOPPED_EARLY, "true")
+        if stopped_before_its_end(self.client, run):
+            if stopped_early:
+                self.client.set_tag(run.info.run_id, TAG_STOPPED_EARLY, "true")
+        elif status == "FINISHED":
+            self.publish_final_model(run)
         log_loss_curve(self.client, run.info.run_id)
         self.client.set_terminated(run.info.run_id, status=status)
+
+    def publish_final_model(self, run) -> None:
+        """Logs the final weights and tokenizer of a trial that trained to its last step but
+        whose own publication never ran: Tune stopped it on its last report, which came
+        before. Every trial that is not marked stopped early then has its final model."""
+        run_id = run.info.run_id
+        if self.trials_dir is None:
+            return
+        published = {a.path for a in self.client.list_artifacts(run_id, "final")}
+        if {f"final/{MODEL_FILE}", f"final/{TOKENIZER_FILE}"} <= published:
+            return
+        final = latest_complete_checkpoint(RunDir(join(self.trials_dir, run.info.run_name)))
+        _, planned = steps_trained(self.client, run)
+        if final is None or planned is None or read_state(final).step < planned:
+            return
+        with RunDir(final).local_files(MODEL_FILE, TOKENIZER_FILE) as (weights, tokenizer):
+            self.client.log_artifact(run_id, str(weights), "final")
+            self.client.log_artifact(run_id, str(tokenizer), "final")
 
 
 def steps_trained(client, run) -> tuple[int, int | None]:

@@ -79,7 +79,7 @@ class ReplicaWorker(Worker):
 
     def __init__(self, spec: WorkerSpec, ray_side: RaySide, rank: int, world: int, t_start):
         self.group, self.groups = rank, world  # this group's index, and the most there may be
-        self.participant: int | None = 0  # this group's place in the latest quorum
+        self._participant: int | None = 0  # this group's place in the latest quorum
         self.participants = 1
         super().__init__(spec, ray_side, 0, 1, t_start)  # a process group of one worker
         if self.strategy != "ddp":
@@ -97,6 +97,20 @@ class ReplicaWorker(Worker):
         self.participant_prices: list[float] = []
         self.price_seen: float | None = None
         self.peer_throughput: dict[str, Any] | None = None  # a healed group's, to adopt
+
+    @property
+    def participant(self) -> int | None:
+        return self._participant
+
+    @participant.setter
+    def participant(self, place: int | None) -> None:
+        tracker = getattr(self, "tracker", None)
+        if self._participant == 0 and place != 0 and tracker is not None:
+            # A chief that hands over stores what it logged before the next step's collectives:
+            # the next chief logs the steps its store lacks, and must not find one of these
+            # still on its way there (it would log it twice).
+            tracker.flush()
+        self._participant = place
 
     @property
     def is_chief(self) -> bool:
@@ -277,10 +291,10 @@ class ReplicaWorker(Worker):
             self._event(signals.REPLICAS_TOO_FEW, group=self.group, step=self.state.step,
                         reason=str(exc))  # fmt: skip
         self.uploads.join()
-        if self.quorum is not None:
-            self.quorum.manager.shutdown(wait=False)
         if self.leaving and self.participants > 1:
             self.participant = None  # the others go on: it is chief no more
+        if self.quorum is not None:
+            self.quorum.manager.shutdown(wait=False)
         ended = self.state.step >= self.end_step or self.stop_seen or self.leaving or lost
         if (self.is_chief and ended) or too_few:  # see callbacks.EndAfterReplicasDone
             self._event(signals.REPLICAS_DONE, step=self.state.step, too_few=too_few)
