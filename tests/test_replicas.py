@@ -104,9 +104,10 @@ def test_groups_train_on_through_loss_join_heal_kill_and_drain(
     2. A spot notice drains a node: its group leaves at a step boundary, nothing recomputed,
        no checkpoint; the cloud then takes the node, and no capacity is left for its group,
        which waits for it (`replica_held`) instead of blocking Ray Train's controller.
-    3. Meanwhile the chief dies right after logging a read (its tracker holds unsent metrics):
-       its group is replaced on its own node's free slot, and the group that becomes chief
-       logs what the dead one had not stored.
+    3. Meanwhile the chief dies right after logging a read (its tracker holds unsent metrics)
+       at a checkpoint step, before it writes that step's ledger and checkpoint: its group is
+       replaced on its own node's free slot, and the group that becomes chief logs what the
+       dead one had not stored and writes the ledger from the dead one's last file on.
     4. Meanwhile a node comes back: the waiting group is replaced there.
     Every sequence once, every step logged once, losses equal to an uninterrupted run's; the
     groups that were there lose little when a group joins (goodput counts it)."""
@@ -144,8 +145,9 @@ def test_groups_train_on_through_loss_join_heal_kill_and_drain(
         run_dir, lambda e: e["event"] == "replica_held", 120, after=drained_at, still_running=run
     )
 
-    # 3. the chief dies between two flushes of its metrics; its slot is free on a live node
-    faults.arm_chief_kill(run_dir)
+    # 3. the chief dies between two flushes of its metrics, at a checkpoint step before its
+    # ledger and checkpoint; its slot is free on a live node
+    faults.arm_chief_kill(run_dir, at_multiple_of=CHECKPOINT_EVERY)
     lost_chief = wait_for_event(run_dir, _taking_part(1, held["t"]), 120, still_running=run)
 
     # 4. meanwhile capacity comes back for the group that waited: both are replaced

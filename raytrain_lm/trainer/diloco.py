@@ -283,8 +283,11 @@ class DilocoWorker(ReplicaWorker):
         )
         leavers = [0.0] * self.groups  # by place in this quorum: who leaves after this unit
         leavers[self.participant] = float(leaving)
-        stored = float(self.tracker.stored_through + 1) if self.is_chief else 0.0
-        host = [*checksum, float(trained), stop, stored, *roster, *leavers, float(clean), length]
+        stored, written = self._chief_wrote()
+        host = [
+            *checksum, float(trained), stop, stored, written, *roster, *leavers, float(clean),
+            length,
+        ]  # fmt: skip
         values = torch.cat(
             [
                 torch.stack(losses).double().reshape(-1),
@@ -402,8 +405,8 @@ class DilocoWorker(ReplicaWorker):
         self.outer_steps += 1
         self._note_membership(first + length)
         self.stop_seen = summed[2 * u + 4] > 0
-        self.tracker.confirm(round(summed[2 * u + 5]) - 1)  # what the chief's store holds
-        roster = summed[2 * u + 6 :]
+        self._confirm(summed[2 * u + 5], summed[2 * u + 6])  # what the chief's writes hold
+        roster = summed[2 * u + 7 :]
         self._note_roster(roster[: SLOTS_PER_PARTICIPANT * trainers])
         slots = SLOTS_PER_PARTICIPANT * self.groups
         self._plan_without_leavers(roster[slots : slots + self.groups])

@@ -29,7 +29,9 @@
 
 - `kill-chief-after-read`: the replica groups' chief kills its own process just after it
   logged a read of the pending steps (its tracker then holds metrics it has not sent), at its
-  first read after the test armed it (`arm_chief_kill`), once.
+  first read after the test armed it (`arm_chief_kill`), once; armed with a checkpoint
+  interval, at its first read at a checkpoint step: before it writes the ledger and the
+  checkpoint that the step's read precedes.
 
 Several at once are joined with `+`: `slow-steps:seconds=0.1+kill-while-healing`.
 
@@ -129,14 +131,18 @@ def maybe_fire(
 CHIEF_KILL_ARMED = "fault-kill-chief-armed"
 
 
-def arm_chief_kill(run_dir: RunDir | str | Path) -> None:
-    """Fires `kill-chief-after-read` at the chief's next read."""
-    RunDir.coerce(run_dir).write_text("armed\n", CHIEF_KILL_ARMED)
+def arm_chief_kill(run_dir: RunDir | str | Path, at_multiple_of: int = 1) -> None:
+    """Fires `kill-chief-after-read` at the chief's next read at a step that is a multiple
+    of `at_multiple_of` (1: its next read)."""
+    RunDir.coerce(run_dir).write_text(f"{at_multiple_of}\n", CHIEF_KILL_ARMED)
 
 
-def maybe_kill_chief(fault: Fault | Faults | None, run_dir: RunDir) -> None:
-    """`kill-chief-after-read`, where the chief has just logged a read (once armed)."""
-    if find(fault, "kill-chief-after-read") is not None and run_dir.exists(CHIEF_KILL_ARMED):
+def maybe_kill_chief(fault: Fault | Faults | None, run_dir: RunDir, step: int) -> None:
+    """`kill-chief-after-read`, where the chief has just logged a read of `step` (once armed)."""
+    if find(fault, "kill-chief-after-read") is None:
+        return
+    armed = run_dir.read_text(CHIEF_KILL_ARMED)
+    if armed is not None and step % int(armed) == 0:
         maybe_fire(fault, "kill-chief-after-read", None, 0, run_dir)
 
 

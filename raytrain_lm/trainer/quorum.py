@@ -306,7 +306,7 @@ class ChiefTracker:
                 self.tracker.log_missing(unlogged)
                 self.kept = [(s, m, True) for s, m, _ in self.kept]
             self.tracker.log_metrics(metrics, step=step)
-            faults.maybe_kill_chief(self.worker.spec.fault, self.worker.run_dir)
+            faults.maybe_kill_chief(self.worker.spec.fault, self.worker.run_dir, step)
         self.kept.append((step, metrics, speaks))
 
     @property

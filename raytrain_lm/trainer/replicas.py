@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from raytrain_lm.data import ledger
 from raytrain_lm.data.stream import StepStream, WorkerSlice
 from raytrain_lm.errors import UserError
 from raytrain_lm.tracking import Tracker
@@ -187,6 +188,26 @@ class ReplicaWorker(Worker):
             digests[name] = digest.hexdigest()[:16]
         return digests
 
+    def _chief_wrote(self) -> tuple[float, float]:
+        """What the chief tells the others in a step's sums (the others send 0): the last step
+        its tracker stored, and the step its ledger is written through, each plus one."""
+        if not self.is_chief:
+            return 0.0, 0.0
+        return float(self.tracker.stored_through + 1), float(self.last_report_step + 1)
+
+    def _confirm(self, stored: float, written: float) -> None:
+        """Forgets what the chief's store and ledger hold (`_chief_wrote`'s values summed). A
+        group keeps the ledger's positions since the last step the chief confirmed, not since
+        its own last checkpoint step: a chief that dies between its log and its checkpoint at
+        a checkpoint step writes neither, and the next chief's ledger then starts where the
+        dead one's last confirmed file ended."""
+        self.tracker.confirm(round(stored) - 1)
+        through = round(written) - 1
+        if through > self.last_report_step:
+            self.last_report_step = through
+            if self.cfg.training.ledger:
+                self.ledger = self._committed_since(through, self.state.step)
+
     def _committed_since(self, first: int, end: int) -> list[np.ndarray]:
         g = self.cfg.training.global_batch_size
         return [np.arange(first * g, end * g, dtype=np.int64)] if end > first else []
@@ -334,10 +355,10 @@ class ReplicaWorker(Worker):
             loss = accumulate_gradients(step_parts, tokens[mine])
             taken = positions[mine]
             stop = float(self.is_chief and self._stop_due())
-            stored = float(self.tracker.stored_through + 1) if self.is_chief else 0.0
+            stored, written = self._chief_wrote()
             roster = roster_slots(p, self.participants, self.types[0], self.my_price)
             host = torch.tensor(
-                [*position_checksum(taken), stop, stored, *roster], dtype=torch.float64
+                [*position_checksum(taken), stop, stored, written, *roster], dtype=torch.float64
             )
             values = torch.cat([loss.double().reshape(1), host.to(self.device)])
             # No DDP (a process group of one): the groups' gradients are reduced here.
@@ -348,9 +369,9 @@ class ReplicaWorker(Worker):
             announce(f"step {state.step + 1} did not commit (a group was lost): taking it again")
         summed = sums.tolist()
         roster = summed[len(summed) - SLOTS_PER_PARTICIPANT * self.participants :]
-        global_loss, *checksum, stops, stored = summed[: len(summed) - len(roster)]
+        global_loss, *checksum, stops, stored, written = summed[: len(summed) - len(roster)]
         check_step_taken(state.step, plan.global_batch, checksum)
-        self.tracker.confirm(int(stored) - 1)  # what the chief's store holds
+        self._confirm(stored, written)
         self._note_membership(state.step + 1)
         self.stop_seen = stops > 0
         state.step += 1
@@ -505,9 +526,12 @@ class ReplicaWorker(Worker):
                 return
             final = False
         if not self.is_chief:
-            self.tracker.flush()
-            self.ledger, self.last_report_step = [], self.state.step
+            self.tracker.flush()  # the ledger's positions wait for the chief's word (_confirm)
             return
+        if self.ledger:
+            # A chief that died after writing a ledger file and before the others heard of it
+            # left a file that this one's positions, since the last confirmed step, include.
+            ledger.discard_after(self.run_dir, self.last_report_step)
         super()._report_checkpoint(final)
 
     def _publish_checkpoint(self, report: dict[str, float], local: Path | None, wait: bool) -> None:
