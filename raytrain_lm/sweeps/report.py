@@ -14,7 +14,13 @@ from raytrain_lm.errors import UserError
 from raytrain_lm.storage import Location
 from raytrain_lm.sweeps.plots import plot_report
 from raytrain_lm.sweeps.record import REPORT_FILE, read_record
-from raytrain_lm.sweeps.runs import TAG_STOPPED_EARLY, TAG_TRIAL, TrialRuns, steps_trained
+from raytrain_lm.sweeps.runs import (
+    TAG_STOPPED_EARLY,
+    TAG_TRIAL,
+    TrialRuns,
+    short_of_its_end,
+    steps_trained,
+)
 
 
 def swept_keys(record: dict[str, Any]) -> list[str]:
@@ -49,7 +55,7 @@ def collect(runs: TrialRuns, keys: list[str]) -> list[dict[str, Any]]:
                 "run_name": run.info.run_name,
                 "run_id": run.info.run_id,
                 "status": run.info.status,
-                "stopped_early": trained is not None and (planned is None or trained < planned),
+                "stopped_early": trained is not None and short_of_its_end(trained, planned),
                 "stopped_at": (trained, planned),
                 "val_loss": metrics.get("val/loss"),
                 "train_loss": metrics.get("train/loss"),

@@ -135,10 +135,14 @@ def steps_trained(client, run) -> tuple[int, int | None]:
     return max((m.step for m in losses), default=0), planned
 
 
-def stopped_before_its_end(client, run) -> bool:
-    """Whether a trial's run stopped before its last step (unknown counts as stopped)."""
-    trained, planned = steps_trained(client, run)
+def short_of_its_end(trained: int, planned: int | None) -> bool:
+    """Whether `steps_trained`'s figures say the run stopped before its last step (unknown
+    counts as stopped)."""
     return planned is None or trained < planned
+
+
+def stopped_before_its_end(client, run) -> bool:
+    return short_of_its_end(*steps_trained(client, run))
 
 
 class CloseTrialRuns(Callback):
