@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed-stamp
 # The CPU wheel of torch; on a GPU machine use e.g. `make demo TORCH_SPEC=torch`.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install demo notebooks test lint format benchmark gpu-wheels clean
+.PHONY: install demo notebooks test test-fast lint format benchmark gpu-wheels clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
@@ -63,9 +63,16 @@ test: $(STAMP)
 	cat .tests-alongside.log; \
 	test $$rest -eq 0 && test $$alongside_status -eq 0
 
+# The inner loop: the tests that need no Ray (the model, configs, the loop's parts, the
+# contracts), in under 3 minutes.
+test-fast: $(STAMP)
+	$(VENV)/bin/pytest -q -p no:cacheprovider -m no_ray
+
+# ruff (with its complexity rules) and the import contracts of pyproject.toml.
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports
 
 format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .

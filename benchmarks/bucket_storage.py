@@ -73,13 +73,13 @@ def _med(values) -> float:
 def _model_and_optimizer(shape: dict[str, int]):
     import torch
 
+    from raytrain_lm import devices
     from raytrain_lm.config import ModelConfig
     from raytrain_lm.models import build_model
-    from raytrain_lm.trainer import hardware
 
     cfg = ModelConfig(**shape)
     model = build_model(cfg, 257)  # the demo's byte tokenizer
-    optimizer = hardware.build_adamw(
+    optimizer = devices.build_adamw(
         model.optimizer_groups(0.1), 1e-3, (0.9, 0.99), torch.device("cpu")
     )
     return cfg, model, optimizer
@@ -89,16 +89,16 @@ def checkpoints(bucket: Bucket, work: Path, name: str, shape: dict[str, int], ro
     """Save (local write + upload into the run directory) and restore, disk vs bucket."""
     import torch
 
-    from raytrain_lm.config import RunConfig, to_yaml
-    from raytrain_lm.rundir import CONFIG_FILE, TOKENIZER_FILE, RunDir
-    from raytrain_lm.storage import filesystem
-    from raytrain_lm.tokenization import ByteTokenizer
-    from raytrain_lm.trainer.checkpoint import (
+    from raytrain_lm.checkpoints import (
         TrainState,
         restore_newest,
         save_checkpoint,
         upload_checkpoint,
     )
+    from raytrain_lm.config import RunConfig, to_yaml
+    from raytrain_lm.rundir import CONFIG_FILE, TOKENIZER_FILE, RunDir
+    from raytrain_lm.storage import filesystem
+    from raytrain_lm.tokenization import ByteTokenizer
 
     torch.manual_seed(0)
     cfg, model, optimizer = _model_and_optimizer(shape)

@@ -63,8 +63,8 @@ import raytrain_lm  # noqa: E402
 from raytrain_lm.clusters.multinode import SLOT, LocalCluster  # noqa: E402
 from raytrain_lm.config import load_config  # noqa: E402
 from raytrain_lm.rundir import RunDir  # noqa: E402
+from raytrain_lm.runs.journal import read_events  # noqa: E402
 from raytrain_lm.trainer import signals  # noqa: E402
-from raytrain_lm.trainer.goodput import read_events  # noqa: E402
 
 EVERY = "every"
 BLOCK = 64  # tokens per sequence

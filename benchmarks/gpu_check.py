@@ -2,9 +2,9 @@
 CUDA torch, no Ray, no MLflow, no network), against plain PyTorch, in at most 6 minutes. It
 drives our own parts without Ray: the model, the step (trainer/step.py: micro-batches, token
 weighting, clipping, fused AdamW), token batches crossing from host memory in their compact
-dtype (hardware.tokens_to_device), losses queued on the device and read at log steps
+dtype (devices.tokens_to_device), losses queued on the device and read at log steps
 (trainer/pending.py), FSDP2 sharding (trainer/parallel.py) and DCP checkpoints written,
-uploaded and restored as a run does (trainer/sharded.py, checkpoint.py, restore.py).
+uploaded and restored as a run does (raytrain_lm/checkpoints/sharded.py, checkpoint.py, restore.py).
 
 (a) GPT-2 124M, bf16, compiled: tokens/s and MFU of our step and of the plain loop
     (gpu_mfu.py: nanoGPT's recipe, one batch resident on the GPU), side by side, and the ratio;
@@ -46,10 +46,11 @@ import torch.distributed as dist
 from gpu_mfu import plain_loop, shard_over_mesh
 from gpu_wheels import DEVICE_MODULES, carried_modules
 
+from raytrain_lm import devices
+from raytrain_lm.checkpoints import TrainState, upload_checkpoint
+from raytrain_lm.checkpoints.sharded import save_sharded_checkpoint
 from raytrain_lm.config import ModelConfig, TrainingConfig
 from raytrain_lm.models import build_model
-from raytrain_lm.trainer import hardware
-from raytrain_lm.trainer.checkpoint import TrainState, upload_checkpoint
 from raytrain_lm.trainer.collectives import FlagChannel
 from raytrain_lm.trainer.faults import SyncCounter
 from raytrain_lm.trainer.mesh import Layout
@@ -58,7 +59,6 @@ from raytrain_lm.trainer.pending import PendingSteps
 from raytrain_lm.trainer.plan import BatchPlan, learning_rate
 from raytrain_lm.trainer.recompute import apply_activation_checkpointing
 from raytrain_lm.trainer.restore import restore_group
-from raytrain_lm.trainer.sharded import save_sharded_checkpoint
 from raytrain_lm.trainer.step import StepParts, step_seed, train_step
 
 BUDGET_S = 360.0
@@ -93,14 +93,14 @@ class Setup:
         self.device = torch.device(f"cuda:{local}" if cuda else "cpu")
         if cuda:
             torch.cuda.set_device(self.device)
-        hardware.configure_device(self.device)
+        devices.configure_device(self.device)
         backend = "nccl" if cuda else "gloo"
         if "RANK" in os.environ:  # torchrun: its rendezvous
             dist.init_process_group(backend)
         else:  # one process, as `gpu_check.sh` runs it on one GPU
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-        self.bf16 = hardware.use_bf16(self.device, "auto")
-        self.compile = hardware.use_compile(self.device, "auto")
+        self.bf16 = devices.use_bf16(self.device, "auto")
+        self.compile = devices.use_compile(self.device, "auto")
         self.fsdp_losses: dict[int, float] = {}  # part (b)'s, for (d) and (e) to compare
 
     @property
@@ -174,7 +174,7 @@ class OurLoop:
             model = replicate_model(self.raw, device, setup.world)
             if compile_model:
                 model = torch.compile(model)
-        self.optimizer = hardware.build_adamw(
+        self.optimizer = devices.build_adamw(
             self.raw.optimizer_groups(0.1), 6e-4, (0.9, 0.95), device
         )
         training = TrainingConfig(global_batch_size=global_batch, micro_batch_size=micro_batch)
@@ -221,7 +221,7 @@ class OurLoop:
         return steps * self.tokens_per_step / (time.perf_counter() - started)
 
     def figures(self, tokens_per_s: float) -> dict:
-        mfu = hardware.mfu(
+        mfu = devices.mfu(
             self.raw.flops_per_token(), tokens_per_s / self.setup.world, self.setup.device
         )
         return {"tokens_per_s": round(tokens_per_s), "mfu": round(mfu, 4)}
@@ -238,7 +238,7 @@ def part_a(setup: Setup) -> dict:
     raw = build_model(cfg, cfg.vocab_size).to(setup.device)
     model = torch.compile(raw) if compile_model else raw
     plain = plain_loop(model, raw, setup.device, setup.bf16, micro, accumulation, steps, warmup)
-    plain_mfu = hardware.mfu(raw.flops_per_token(), plain["tokens_per_s"], setup.device)
+    plain_mfu = devices.mfu(raw.flops_per_token(), plain["tokens_per_s"], setup.device)
     plain |= {"mfu": round(plain_mfu, 4), "peak_memory_GiB": setup.peak_memory_gib()}
     del raw, model
     setup.fresh_memory()

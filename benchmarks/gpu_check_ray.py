@@ -105,7 +105,7 @@ class Runs:
 
     @staticmethod
     def figures(summary: dict, history, flops_per_token: float) -> dict:
-        from raytrain_lm.trainer import hardware
+        from raytrain_lm import devices
 
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         tokens_per_s = summary["tokens_per_s"]
@@ -113,7 +113,7 @@ class Runs:
         return {
             "steps": summary["steps"],
             "tokens_per_s": round(tokens_per_s),
-            "mfu": round(flops_per_token * tokens_per_s / hardware.peak_flops(device), 4),
+            "mfu": round(flops_per_token * tokens_per_s / devices.peak_flops(device), 4),
             "peak_memory_GiB": None if peak is None else round(float(peak), 2),
             "train_loss": round(summary["train_loss"], 4),
         }
@@ -177,8 +177,8 @@ def part_b(runs: Runs, dry_run: bool) -> dict:
 
 def part_c(runs: Runs, dry_run: bool) -> dict:
     """The embedded demo config on the GPU: 50 steps, as two invocations (stop at 25, resume)."""
+    from raytrain_lm.runs.journal import read_events
     from raytrain_lm.trainer.faults import ENV_VAR
-    from raytrain_lm.trainer.goodput import read_events
 
     steps = 6 if dry_run else 50
     half = steps // 2

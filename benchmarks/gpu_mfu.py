@@ -28,10 +28,10 @@ import time
 import torch
 import torch.distributed as dist
 
+from raytrain_lm import devices
 from raytrain_lm.config import ModelConfig
 from raytrain_lm.model import GPT, GPTShape
 from raytrain_lm.models import build_model
-from raytrain_lm.trainer import hardware
 from raytrain_lm.trainer.mesh import Layout, build_meshes, plan_layout
 from raytrain_lm.trainer.parallel import shard_model
 
@@ -88,7 +88,7 @@ def plain_loop(
     """`warmup` then `steps` timed optimizer steps of `model` (as wrapped: compiled, sharded)
     on one random batch kept on the device, each step waited for; tokens/s over the timed ones."""
     shape = raw.shape
-    optimizer = hardware.build_adamw(raw.optimizer_groups(0.1), 6e-4, (0.9, 0.95), device)
+    optimizer = devices.build_adamw(raw.optimizer_groups(0.1), 6e-4, (0.9, 0.95), device)
     data = torch.randint(0, shape.vocab_size, (micro_batch, shape.block_size + 1), device=device)
     x, y = data[:, :-1].contiguous(), data[:, 1:].contiguous()
     times = []
@@ -96,7 +96,7 @@ def plain_loop(
         synchronize(device)
         t0 = time.perf_counter()
         for _ in range(accumulation):
-            with hardware.autocast(device, bf16):
+            with devices.autocast(device, bf16):
                 _, loss = model(x, y)
             (loss / accumulation).backward()
         torch.nn.utils.clip_grad_norm_(raw.parameters(), 1.0)  # DTensor-aware under fsdp
@@ -132,8 +132,8 @@ def main() -> None:
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cuda else "cpu")
     if cuda:
         torch.cuda.set_device(device)
-    hardware.configure_device(device)
-    bf16 = hardware.use_bf16(device, "auto")
+    devices.configure_device(device)
+    bf16 = devices.use_bf16(device, "auto")
     compile_model = not args.no_compile and device.type == "cuda"
     torch.manual_seed(0)
     if args.preset:
@@ -174,8 +174,8 @@ def main() -> None:
         "flash_sdpa": device.type == "cuda" and torch.backends.cuda.flash_sdp_enabled(),
         **figures,
         "achieved_tflops": round(flops / 1e12, 2),
-        "peak_tflops": hardware.peak_flops(device) / 1e12,
-        "mfu": round(flops / hardware.peak_flops(device), 4),
+        "peak_tflops": devices.peak_flops(device) / 1e12,
+        "mfu": round(flops / devices.peak_flops(device), 4),
     }
     if rank == 0:
         print("gpu_mfu: " + json.dumps(result))

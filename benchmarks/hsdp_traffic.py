@@ -48,10 +48,10 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
+from raytrain_lm import devices
 from raytrain_lm.config import ModelConfig, TrainingConfig
 from raytrain_lm.models import build_model, parameter_count
 from raytrain_lm.runtime import free_port
-from raytrain_lm.trainer import hardware
 from raytrain_lm.trainer.mesh import build_meshes, plan_layout
 from raytrain_lm.trainer.parallel import replicate_model, shard_model
 from raytrain_lm.trainer.plan import BatchPlan
@@ -146,7 +146,7 @@ def measure(strategy: str, micro_batches: int, counter: CollectiveCounter, args)
     else:
         data_mesh, _ = build_meshes(layout, "cpu")
         shard_model(model, data_mesh, bf16=False)
-    optimizer = hardware.build_adamw(model.optimizer_groups(0.1), 1e-3, (0.9, 0.95), CPU)
+    optimizer = devices.build_adamw(model.optimizer_groups(0.1), 1e-3, (0.9, 0.95), CPU)
     training = TrainingConfig(global_batch_size=world * micro_batches, micro_batch_size=1)
     plan = BatchPlan.derive(training, world, same_passes=strategy != "ddp")
     parts = StepParts(wrapped, model, optimizer, plan, layout.data_rank(rank), CPU, False, 1.0)

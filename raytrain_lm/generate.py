@@ -9,13 +9,7 @@ import torch
 import yaml
 
 from raytrain_lm.causal_lm import CausalLM
-from raytrain_lm.config import read_written_config
-from raytrain_lm.errors import UserError
-from raytrain_lm.models import build_model
-from raytrain_lm.rundir import RunDir
-from raytrain_lm.storage import filesystem, join
-from raytrain_lm.tokenization import Tokenizer, load_tokenizer
-from raytrain_lm.trainer.checkpoint import (
+from raytrain_lm.checkpoints import (
     CONFIG_FILE,
     MARKER_FILE,
     MODEL_FILE,
@@ -26,7 +20,13 @@ from raytrain_lm.trainer.checkpoint import (
     load_model_state,
     local_copy,
 )
-from raytrain_lm.trainer.sharded import consolidated_weights
+from raytrain_lm.checkpoints.sharded import consolidated_weights
+from raytrain_lm.config import read_written_config
+from raytrain_lm.errors import UserError
+from raytrain_lm.models import build_model
+from raytrain_lm.rundir import RunDir
+from raytrain_lm.storage import filesystem, join
+from raytrain_lm.tokenization import Tokenizer, load_tokenizer
 
 
 def resolve_checkpoint(run_or_checkpoint: str, output_dir: str = "runs") -> str:

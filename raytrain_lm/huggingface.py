@@ -19,12 +19,12 @@ import torch
 from safetensors.torch import save_file
 
 from raytrain_lm.causal_lm import CausalLM
+from raytrain_lm.checkpoints import load_model_state, model_state, tied_aliases
 from raytrain_lm.config import ModelConfig, RunConfig, TokenizerConfig
 from raytrain_lm.errors import UserError
 from raytrain_lm.generate import load_model, resolve_checkpoint
 from raytrain_lm.llama import Llama
 from raytrain_lm.tokenization import EOT, BPETokenizer, ByteTokenizer, CharTokenizer, Tokenizer
-from raytrain_lm.trainer.checkpoint import load_model_state, model_state, tied_aliases
 
 MAX_SHARD_BYTES = 5 * 10**9  # transformers' own default (`max_shard_size="5GB"`)
 FORMATS = ("hf",)

@@ -28,6 +28,16 @@ from raytrain_lm.config import ScalingConfig
 
 logger = logging.getLogger(__name__)
 
+
+def schedulable_nodes() -> list[dict[str, Any]]:
+    """`ray.nodes()` without the nodes being drained: Ray schedules nothing new on them."""
+    import ray
+    from ray._private.state import state
+
+    draining = set(state.get_draining_nodes())
+    return [n for n in ray.nodes() if n["NodeID"] not in draining]
+
+
 MARKER_AMOUNT = 0.001  # asks for a node kind without using up its capacity
 ACCELERATOR_LABEL = "ray.io/accelerator-type"
 CPU_NODE = "cpu_node"
@@ -181,8 +191,6 @@ class OnDemandRequests:
     def up(self) -> int:
         """How many such bundles fit on the on-demand nodes that are up and not being drained
         (by their total resources: nothing else of the run can use them while it is on spot)."""
-        from raytrain_lm.trainer.capacity import schedulable_nodes
-
         fits = 0
         for node in schedulable_nodes():
             total = node.get("Resources", {})

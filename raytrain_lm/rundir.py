@@ -6,12 +6,12 @@ state (driver, Ray Train controller, rank 0, the next worker group) goes through
 over `pyarrow.fs`. It is written for object-store semantics: no rename, no append, one writer
 per object, and a checkpoint's marker written last.
 
-- `checkpoint_*/`: checkpoint folders (see trainer/checkpoint.py for their contents and marker);
+- `checkpoint_*/`: checkpoint folders (see raytrain_lm/checkpoints/ for their contents and marker);
 - `config.yaml`: the run's config, secrets redacted (driver, at every start);
 - `tokenizer.json`: the tokenizer the data was prepared with (driver);
 - `tracking.json`: which MLflow run and store belong to the run (driver);
-- `events/`: goodput's event log, one object per event (trainer/goodput.py; any writer);
-- `heartbeat.json`: rank 0's progress, overwritten as it steps (trainer/goodput.py);
+- `events/`: goodput's event log, one object per event (raytrain_lm/runs/goodput.py; any writer);
+- `heartbeat.json`: rank 0's progress, overwritten as it steps (raytrain_lm/runs/goodput.py);
 - `ledger/`: the sequence positions each rank consumed, one object per rank and interval;
 - `summary.json`: the figures of the finished run (driver);
 - `STOP`: a stop request from the driver, read by rank 0 (trainer/signals.py);

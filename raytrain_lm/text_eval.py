@@ -24,6 +24,7 @@ from typing import Any
 import yaml
 
 from raytrain_lm import storage
+from raytrain_lm.checkpoints import read_state
 from raytrain_lm.config import RunConfig, read_written_config
 from raytrain_lm.data.checks import check_inputs
 from raytrain_lm.data.manifest import verify_shards
@@ -34,7 +35,6 @@ from raytrain_lm.placement import worker_resources
 from raytrain_lm.rundir import CONFIG_FILE, TOKENIZER_FILE, TRACKING_FILE, RunDir
 from raytrain_lm.runtime import ensure_ray, use_gpu
 from raytrain_lm.tokenization import tokenizer_from_json
-from raytrain_lm.trainer.checkpoint import read_state
 from raytrain_lm.trainer.storage_checks import check_nodes_see
 
 DEFAULT_BATCH = 8

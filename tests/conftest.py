@@ -31,11 +31,12 @@ TINY = [
 def ray_session(request):
     """One Ray for the session, started before anything else can start a smaller one
     (`prepare` starts a local Ray when none runs); logical CPUs cover 4 workers plus Ray Data.
-    A session of only chaos and own_ray tests needs none: those start their own Rays."""
+    A session of only chaos and own_ray tests needs none (those start their own Rays), nor one
+    of no_ray tests (`make test-fast`)."""
     import ray
 
     if all(
-        item.get_closest_marker("chaos") or item.get_closest_marker("own_ray")
+        any(item.get_closest_marker(m) for m in ("chaos", "own_ray", "no_ray"))
         for item in request.session.items
     ):
         yield None

@@ -11,14 +11,14 @@ import pytest
 import torch
 
 import raytrain_lm
+from raytrain_lm import devices
 from raytrain_lm.config import TrainingConfig, load_config
 from raytrain_lm.data.ledger import read_ledger
 from raytrain_lm.data.stream import WorkerSlice
 from raytrain_lm.errors import UserError
-from raytrain_lm.trainer import hardware
+from raytrain_lm.runs.journal import read_events
 from raytrain_lm.trainer.balance import Speeds, per_type_metrics, replan_weights, type_weights
 from raytrain_lm.trainer.faults import ENV_VAR
-from raytrain_lm.trainer.goodput import read_events
 from raytrain_lm.trainer.plan import BatchPlan, split_by_weight
 
 
@@ -100,15 +100,15 @@ def test_mfu_is_against_the_device_that_trains():
     the summary: 0.02 % beside the progress line's 28 %). On GPUs, the other ranks' types give
     their peaks; this rank's own device gives its own."""
     cpu = torch.device("cpu")
-    peaks = hardware.training_peaks(["A100", "A100"], cpu, "A100")
-    assert peaks == [hardware.peak_flops(cpu)] * 2
-    progress = hardware.group_mfu(1e6, 10_000.0, peaks)
-    assert progress == pytest.approx(hardware.mfu(1e6, 5_000.0, cpu))  # each device's alike
+    peaks = devices.training_peaks(["A100", "A100"], cpu, "A100")
+    assert peaks == [devices.peak_flops(cpu)] * 2
+    progress = devices.group_mfu(1e6, 10_000.0, peaks)
+    assert progress == pytest.approx(devices.mfu(1e6, 5_000.0, cpu))  # each device's alike
     figures = per_type_metrics(["A100", "A100"], [4, 4], 10_000.0, 1e6, [1.0, 1.0], peaks)
     assert figures["A100"]["mfu"] == pytest.approx(progress)
     # A mixed GPU group, seen from an A100 rank: the L4's peak is its type's, unknown types err low.
     gpu = torch.device("cuda")
-    assert hardware.training_peaks(["L4", "TPU-V9"], gpu, "A100") == [121e12, 312e12]
+    assert devices.training_peaks(["L4", "TPU-V9"], gpu, "A100") == [121e12, 312e12]
 
 
 def test_balance_settings_are_checked_up_front():

@@ -19,8 +19,8 @@ from raytrain_lm.config import load_config
 from raytrain_lm.data.ledger import read_ledger
 from raytrain_lm.errors import UserError
 from raytrain_lm.rundir import RunDir
+from raytrain_lm.runs.journal import read_events
 from raytrain_lm.trainer import faults
-from raytrain_lm.trainer.goodput import read_events
 
 GLOBAL_BATCH = 8
 

@@ -19,11 +19,11 @@ from pathlib import Path
 import pytest
 
 import raytrain_lm
+from raytrain_lm.checkpoints import complete_checkpoints, read_state
 from raytrain_lm.clusters.multinode import Background, LocalCluster, segments, wait_for_event
 from raytrain_lm.config import load_config
 from raytrain_lm.data.ledger import read_ledger
 from raytrain_lm.trainer import faults
-from raytrain_lm.trainer.checkpoint import complete_checkpoints, read_state
 
 pytestmark = pytest.mark.chaos
 

@@ -19,6 +19,7 @@ import yaml
 from raytrain_lm.clusters.autoscaling import offers_cpu_nodes
 from raytrain_lm.clusters.jobs import UPLOAD_EXCLUDES, entrypoint
 from raytrain_lm.config import load_config
+from raytrain_lm.devices import gpu_peak_flops
 from raytrain_lm.errors import UserError
 from raytrain_lm.placement import (
     ACCELERATOR_LABEL,
@@ -28,7 +29,6 @@ from raytrain_lm.placement import (
     release_resource_requests,
     worker_resources,
 )
-from raytrain_lm.trainer.hardware import gpu_peak_flops
 
 pytestmark = pytest.mark.cluster
 

@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import logging
 
+import pytest
+
 from raytrain_lm.console import TOKEN_AUTH_LOGGER, _dropping_harmless, quiet_token_auth_notice
+
+pytestmark = pytest.mark.no_ray
 
 ACTOR_ARGS = (
     "[2026-12-04 09:20:49,696 E 5 5] core_worker.cc:812: Actor with class name: "

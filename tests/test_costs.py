@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from raytrain_lm.config import load_config
+from raytrain_lm.config.durations import parse_duration_h
 from raytrain_lm.costs import plan
 from raytrain_lm.costs.catalog import DEFAULT_CATALOG, load_catalog
-from raytrain_lm.costs.durations import parse_duration_h
 from raytrain_lm.costs.model import best_interval_s, expected_wall_s, young_daly_interval_s
 from raytrain_lm.errors import UserError
 
@@ -152,8 +152,8 @@ def test_a_plan_calibrated_from_a_run_says_what_it_measured(learned_run, tmp_pat
     interruptions, no recovery) stays assumed."""
     import torch
 
-    from raytrain_lm.trainer.goodput import read_events
-    from raytrain_lm.trainer.hardware import peak_flops
+    from raytrain_lm.devices import peak_flops
+    from raytrain_lm.runs.journal import read_events
 
     catalog = tmp_path / "prices.yaml"
     peak = peak_flops(torch.device("cpu"))
@@ -192,8 +192,8 @@ def test_a_run_that_spends_its_budget_checkpoints_ends_and_resumes_exactly(
 
     import raytrain_lm
     from raytrain_lm.data.ledger import read_ledger
+    from raytrain_lm.runs.journal import read_events
     from raytrain_lm.trainer import faults
-    from raytrain_lm.trainer.goodput import read_events
 
     common, straight = world_size_runs["common"], world_size_runs["reference"]
     priced = [*common, "name=budgeted", "scaling.num_workers=2", "fault.price_per_hour={cpu: 3600}",

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from raytrain_lm.config import load_config
+from raytrain_lm.devices import price_per_hour
 from raytrain_lm.errors import UserError
 from raytrain_lm.placement import MARKER_AMOUNT, labels_match, worker_resources
 from raytrain_lm.trainer.deadline import (
@@ -20,7 +21,6 @@ from raytrain_lm.trainer.deadline import (
     margin_s,
     slack_s,
 )
-from raytrain_lm.trainer.hardware import price_per_hour
 
 DEADLINE_S = 1000.0
 

@@ -10,17 +10,17 @@ import pytest
 from support.step_losses import assert_same_step_losses
 
 import raytrain_lm
+from raytrain_lm.checkpoints import complete_checkpoints, read_state
 from raytrain_lm.clusters.multinode import Background, wait_for_event
 from raytrain_lm.config import load_config
 from raytrain_lm.data.ledger import read_ledger
 from raytrain_lm.errors import UserError
 from raytrain_lm.models import build_model
+from raytrain_lm.runs.journal import read_events
 from raytrain_lm.runtime import ensure_ray
 from raytrain_lm.trainer import faults
-from raytrain_lm.trainer.checkpoint import complete_checkpoints, read_state
 from raytrain_lm.trainer.diloco import DilocoWorker
 from raytrain_lm.trainer.diloco_parts import model_fragments, unit_schedule
-from raytrain_lm.trainer.goodput import read_events
 
 H = 4
 

@@ -14,9 +14,9 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from raytrain_lm import cli
+from raytrain_lm.checkpoints import complete_checkpoints
 from raytrain_lm.data.manifest import Manifest
 from raytrain_lm.generate import load_model
-from raytrain_lm.trainer.checkpoint import complete_checkpoints
 
 # Text the run never trained on (it trained on the standard library): our own source.
 TEXT = Path(__file__).parents[1] / "raytrain_lm" / "trainer" / "launch.py"

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from raytrain_lm import cli
+from raytrain_lm.checkpoints import complete_checkpoints
 from raytrain_lm.errors import UserError
 from raytrain_lm.generate import load_model
 from raytrain_lm.huggingface import export
-from raytrain_lm.trainer.checkpoint import complete_checkpoints
 
 PROMPT = "def main(argv):\n    ret"  # 24 byte tokens; with 8 more, the runs' 32 of context
 

@@ -12,13 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from raytrain_lm.config import load_config
-from raytrain_lm.errors import UserError
-from raytrain_lm.model import GPT, GPTShape
-from raytrain_lm.rundir import RunDir
-from raytrain_lm.runtime import check_schedulable
-from raytrain_lm.trainer import faults
-from raytrain_lm.trainer.checkpoint import (
+from raytrain_lm.checkpoints import (
     TrainState,
     best_checkpoint,
     is_complete,
@@ -26,14 +20,17 @@ from raytrain_lm.trainer.checkpoint import (
     prune_checkpoints,
     save_checkpoint,
 )
-from raytrain_lm.trainer.goodput import (
-    Heartbeat,
-    append_event,
-    close_previous_segment,
-    read_events,
-    summarize,
-)
+from raytrain_lm.config import load_config
+from raytrain_lm.errors import UserError
+from raytrain_lm.model import GPT, GPTShape
+from raytrain_lm.rundir import RunDir
+from raytrain_lm.runs.goodput import summarize
+from raytrain_lm.runs.journal import Heartbeat, append_event, close_previous_segment, read_events
+from raytrain_lm.runtime import check_schedulable
+from raytrain_lm.trainer import faults
 from raytrain_lm.trainer.plan import BatchPlan
+
+pytestmark = pytest.mark.no_ray
 
 
 def _save(run_dir: Path, step: int, val_loss: float | None = None) -> Path:
@@ -196,7 +193,7 @@ def test_a_damaged_checkpoint_is_skipped_for_the_one_before(tmp_path, capfd):
     """Complete means loadable: the newest checkpoint's weights altered in place (same size,
     so the marker's sizes still match) fail the marker's checksum, and restore falls back to
     the checkpoint before; a checkpoint that cannot load at all is skipped the same way."""
-    from raytrain_lm.trainer.checkpoint import damage, restore_newest
+    from raytrain_lm.checkpoints import damage, restore_newest
 
     older, newer = _save(tmp_path, 1), _save(tmp_path, 2)
     weights = newer / "model.safetensors"

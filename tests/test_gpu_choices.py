@@ -12,9 +12,12 @@ import torch
 import torch.distributed as dist
 from packaging.version import Version
 
+from raytrain_lm import devices
 from raytrain_lm.llama import Llama, LlamaShape
-from raytrain_lm.trainer import faults, hardware
+from raytrain_lm.trainer import faults
 from raytrain_lm.trainer.parallel import replicate_model
+
+pytestmark = pytest.mark.no_ray
 
 ROOT = Path(__file__).resolve().parents[1]
 CUDA = torch.device("cuda", 0)
@@ -34,8 +37,8 @@ def test_bf16_autocast_only_where_the_gpu_has_it(monkeypatch, native, precision,
         return native or including_emulation
 
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", is_bf16_supported)
-    assert hardware.use_bf16(CUDA, precision) is expected
-    assert hardware.use_bf16(torch.device("cpu"), precision) is False
+    assert devices.use_bf16(CUDA, precision) is expected
+    assert devices.use_bf16(torch.device("cpu"), precision) is False
 
 
 @pytest.mark.parametrize(
@@ -57,7 +60,7 @@ def test_bf16_autocast_only_where_the_gpu_has_it(monkeypatch, native, precision,
     ],
 )
 def test_mfu_peaks_by_device_name(name, tflops):
-    assert hardware.gpu_peak_flops(name) == tflops * 1e12
+    assert devices.gpu_peak_flops(name) == tflops * 1e12
 
 
 def test_ddp_does_not_broadcast_buffers_every_step():

@@ -181,7 +181,7 @@ def _assert_consolidates(folder: Path, arch: str) -> None:
     rebuilt from its shards in one process (where DCP's metadata says each piece is)."""
     from safetensors.torch import load_file
 
-    from raytrain_lm.trainer.sharded import consolidated_weights
+    from raytrain_lm.checkpoints.sharded import consolidated_weights
 
     whole = load_file(str(folder / "model.safetensors"))
     rebuilt = consolidated_weights(folder, parallel_check.ARCHS[arch]())

@@ -232,9 +232,9 @@ def test_a_second_train_of_a_running_name_is_refused_and_the_first_finishes_unto
     """`make demo` twice: the second `raytrain-lm train` of the name is refused in one line
     naming the first (exit 2), while the first, held at its first step, waits; released, the
     first finishes with one MLflow point per step and its checkpoints, as if alone."""
+    from raytrain_lm.checkpoints import complete_checkpoints, read_state
+    from raytrain_lm.runs.journal import read_events
     from raytrain_lm.trainer import faults
-    from raytrain_lm.trainer.checkpoint import complete_checkpoints, read_state
-    from raytrain_lm.trainer.goodput import read_events
 
     overrides = [
         *tiny_overrides,

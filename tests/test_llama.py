@@ -14,6 +14,8 @@ from raytrain_lm.errors import UserError
 from raytrain_lm.llama import Llama, LlamaShape, apply_rope, rope_tables, swiglu_hidden
 from raytrain_lm.models import build_model, parameter_count
 
+pytestmark = pytest.mark.no_ray
+
 SHAPE = LlamaShape(
     vocab_size=50, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, ffn_hidden=64
 )
@@ -190,7 +192,7 @@ def test_a_checkpoint_round_trips_tied_or_untied_weights(tmp_path, tie):
     load; untied ones are both stored."""
     from safetensors.torch import load_file
 
-    from raytrain_lm.trainer.checkpoint import TrainState, load_checkpoint, save_checkpoint
+    from raytrain_lm.checkpoints import TrainState, load_checkpoint, save_checkpoint
 
     shape = LlamaShape(**{**SHAPE.__dict__, "tie_embeddings": tie})
     torch.manual_seed(0)

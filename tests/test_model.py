@@ -6,6 +6,8 @@ import torch
 from raytrain_lm.llama import Llama, LlamaShape
 from raytrain_lm.model import GPT, GPTShape
 
+pytestmark = pytest.mark.no_ray
+
 SHAPE = GPTShape(vocab_size=50, block_size=16, n_layer=2, n_head=2, n_embd=32)
 
 

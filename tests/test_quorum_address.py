@@ -16,6 +16,8 @@ from raytrain_lm.trainer.quorum import (
     resolves_to_loopback,
 )
 
+pytestmark = pytest.mark.no_ray
+
 
 def loopback(host: str) -> bool:
     return host in ("vm", "localhost", "127.0.0.1")

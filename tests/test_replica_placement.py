@@ -13,8 +13,10 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError
 from ray.train.v2._internal.exceptions import WorkerHealthCheckFailedError
 from ray.train.v2._internal.execution.worker_group.poll import WorkerGroupPollStatus, WorkerStatus
 
-from raytrain_lm.trainer.goodput import read_events
+from raytrain_lm.runs.journal import read_events
 from raytrain_lm.trainer.replica_placement import ClusterView, ReplaceWhenPlaceable
+
+pytestmark = pytest.mark.no_ray
 
 
 def test_ray_train_still_has_what_the_callback_uses():

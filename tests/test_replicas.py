@@ -12,13 +12,13 @@ import pytest
 from support.step_losses import assert_same_step_losses
 
 import raytrain_lm
+from raytrain_lm.checkpoints import latest_complete_checkpoint, read_state
 from raytrain_lm.clusters.multinode import Background, LocalCluster, wait_for_event
 from raytrain_lm.config import load_config
 from raytrain_lm.data.ledger import read_ledger
 from raytrain_lm.errors import UserError
+from raytrain_lm.runs.journal import read_events
 from raytrain_lm.trainer import faults
-from raytrain_lm.trainer.checkpoint import latest_complete_checkpoint, read_state
-from raytrain_lm.trainer.goodput import read_events
 
 pytestmark = pytest.mark.chaos
 

@@ -11,10 +11,10 @@ from support.step_losses import assert_same_step_losses
 from support.sweep_files import write_sweep
 
 import raytrain_lm
+from raytrain_lm.checkpoints import complete_checkpoints, read_state
 from raytrain_lm.config import load_config
 from raytrain_lm.data.ledger import read_ledger
-from raytrain_lm.trainer.checkpoint import complete_checkpoints, read_state
-from raytrain_lm.trainer.goodput import read_events
+from raytrain_lm.runs.journal import read_events
 
 
 def test_two_groups_take_ddps_steps_and_resume_from_their_checkpoint(world_size_runs, s3):

@@ -16,12 +16,12 @@ from conftest import TINY
 from support.isolated_nodes import IsolatedNode, can_isolate
 
 import raytrain_lm
+from raytrain_lm.checkpoints import complete_checkpoints
 from raytrain_lm.clusters.multinode import SLOT, Background, LocalCluster, wait_for_event
 from raytrain_lm.config import load_config
 from raytrain_lm.data.ledger import read_ledger
 from raytrain_lm.errors import UserError
 from raytrain_lm.trainer import faults
-from raytrain_lm.trainer.checkpoint import complete_checkpoints
 
 pytestmark = [
     pytest.mark.chaos,

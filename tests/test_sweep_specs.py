@@ -15,6 +15,8 @@ from raytrain_lm.errors import UserError
 from raytrain_lm.sweeps import load_sweep, log_uniform_keys
 from raytrain_lm.sweeps.search import build_scheduler, build_search_alg, param_space
 
+pytestmark = pytest.mark.no_ray
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -23,6 +23,7 @@ from raytrain_lm import cli
 from raytrain_lm.config import RunConfig
 from raytrain_lm.errors import UserError
 from raytrain_lm.rundir import RunDir
+from raytrain_lm.runs.journal import read_events
 from raytrain_lm.runtime import check_schedulable, ensure_ray
 from raytrain_lm.sweeps import (
     SWEEP_FILE,
@@ -36,7 +37,6 @@ from raytrain_lm.sweeps import (
     trial_starts,
 )
 from raytrain_lm.sweeps.search import TRIAL_CPU
-from raytrain_lm.trainer.goodput import read_events
 
 ROOT = Path(__file__).resolve().parents[1]
 

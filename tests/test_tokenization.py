@@ -9,6 +9,8 @@ from raytrain_lm.tokenization import (
     token_dtype,
 )
 
+pytestmark = pytest.mark.no_ray
+
 TEXTS = [
     "def f(x):\n    return x ** 2  # square\n",
     "中文字符与表情符号 🌍🚀, naïve café, Ελληνικά",

@@ -13,6 +13,8 @@ import torch.distributed as dist
 
 from raytrain_lm.trainer import torchft_adapter
 
+pytestmark = pytest.mark.no_ray
+
 
 @pytest.fixture(scope="module")
 def manager():

@@ -16,7 +16,7 @@ import raytrain_lm
 from raytrain_lm.clusters.multinode import segments
 from raytrain_lm.config import load_config
 from raytrain_lm.errors import find_user_error
-from raytrain_lm.trainer.goodput import read_events
+from raytrain_lm.runs.journal import read_events
 
 
 def _run(overrides: list[str]) -> dict:
@@ -76,7 +76,7 @@ def test_two_worker_run_learns_and_is_tracked(learned_run):
     assert {"final/model.safetensors", "final/tokenizer.json"} <= final
     # a llama with 1 key/value head for its 2 query heads and an untied output projection:
     # both embedding matrices are kept
-    from raytrain_lm.trainer.checkpoint import latest_complete_checkpoint
+    from raytrain_lm.checkpoints import latest_complete_checkpoint
 
     weights = load_file(str(Path(latest_complete_checkpoint(run_dir)) / "model.safetensors"))
     assert {"embed_tokens.weight", "lm_head.weight", "layers.1.mlp.gate_proj.weight"} <= set(
@@ -86,7 +86,7 @@ def test_two_worker_run_learns_and_is_tracked(learned_run):
     assert run.data.params["model.arch"] == "llama"
     # Sharded: each rank wrote its own shards; only the last checkpoint gathered the whole
     # weights, and those are what MLflow holds.
-    from raytrain_lm.trainer.checkpoint import complete_checkpoints, read_state
+    from raytrain_lm.checkpoints import complete_checkpoints, read_state
 
     middle, last = (Path(c) for c in complete_checkpoints(run_dir))
     assert read_state(middle).strategy == read_state(last).strategy == "fsdp"
@@ -124,8 +124,8 @@ def test_a_run_that_cannot_resume_faithfully_is_refused(learned_run, tmp_path):
     starts."""
     import shutil
 
+    from raytrain_lm.checkpoints import complete_checkpoints
     from raytrain_lm.errors import UserError
-    from raytrain_lm.trainer.checkpoint import complete_checkpoints
 
     run_dir = tmp_path / "runs" / "refuse"
     shutil.copytree(learned_run["output_dir"] / "learns", run_dir)
@@ -173,10 +173,10 @@ def test_resume_is_bit_for_bit(ray_session, tiny_overrides, tmp_path, monkeypatc
     import threading
     import time
 
+    from raytrain_lm.checkpoints import complete_checkpoints
     from raytrain_lm.data.ledger import read_ledger
+    from raytrain_lm.runs.journal import Heartbeat, read_events
     from raytrain_lm.trainer import faults
-    from raytrain_lm.trainer.checkpoint import complete_checkpoints
-    from raytrain_lm.trainer.goodput import Heartbeat, read_events
 
     common = [
         *tiny_overrides,

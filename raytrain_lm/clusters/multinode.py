@@ -19,8 +19,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from raytrain_lm.runs.journal import read_events
 from raytrain_lm.runtime import free_port, naming_api_server
-from raytrain_lm.trainer.goodput import read_events
 
 SLOT = "trainslot"
 # A run that trains in seconds on a laptop CPU: a 2-layer model on text that ships with Python

@@ -24,7 +24,7 @@ class BudgetConfig(_Section):
     @classmethod
     def _a_duration(cls, value: str | float | None) -> str | float | None:
         if value is not None:
-            from raytrain_lm.costs.durations import parse_duration_h
+            from raytrain_lm.config.durations import parse_duration_h
 
             if parse_duration_h(value) <= 0:
                 raise ValueError("a deadline is a positive duration")
@@ -32,6 +32,6 @@ class BudgetConfig(_Section):
 
     @property
     def deadline_s(self) -> float | None:
-        from raytrain_lm.costs.durations import parse_duration_h
+        from raytrain_lm.config.durations import parse_duration_h
 
         return None if self.deadline is None else 3600 * parse_duration_h(self.deadline)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from raytrain_lm.config import RunConfig
-from raytrain_lm.costs.durations import parse_duration_h
+from raytrain_lm.config.durations import parse_duration_h
 from raytrain_lm.errors import UserError
 
 WORKER_COUNTS = (1, 2, 4, 8, 16, 32, 64)

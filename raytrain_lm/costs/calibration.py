@@ -11,7 +11,8 @@ import statistics
 
 from raytrain_lm.costs.catalog import Catalog
 from raytrain_lm.rundir import RunDir
-from raytrain_lm.trainer.goodput import read_events, summarize
+from raytrain_lm.runs.goodput import summarize
+from raytrain_lm.runs.journal import read_events
 
 
 def measured_inputs(run_dir: RunDir, catalog: Catalog) -> dict:

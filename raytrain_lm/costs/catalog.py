@@ -26,7 +26,7 @@ class AcceleratorType(_Section):
     memory_gib: float = Field(gt=0)
     gpus_per_node: int = Field(1, ge=1)
     peak_tflops: float | None = Field(
-        None, gt=0, description="dense bf16 peak; unset: trainer/hardware.py's table by name"
+        None, gt=0, description="dense bf16 peak; unset: raytrain_lm/devices.py's table by name"
     )
     on_demand: Capacity | None = None
     spot: Capacity | None = None

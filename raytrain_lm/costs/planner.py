@@ -2,7 +2,7 @@
 on-demand, the expected wall time, cost and goodput of training the token budget, and the
 checkpoint interval that minimises the expected time (model.py).
 
-Throughput per GPU is the type's peak bf16 FLOP/s (trainer/hardware.py) x an MFU (measured by
+Throughput per GPU is the type's peak bf16 FLOP/s (raytrain_lm/devices.py) x an MFU (measured by
 a run of yours, `Inputs.mfu`, else `DEFAULT_MFU`) / the model's training FLOPs per token.
 Checkpoints write 12 bytes per parameter (fp32 weights and AdamW's two moments); under a
 sharded strategy every worker writes its part, so the time is bytes / (workers x storage
@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 
 from raytrain_lm.costs.catalog import Catalog
 from raytrain_lm.costs.model import best_interval_s, expected_wall_s, young_daly_interval_s
-from raytrain_lm.trainer.hardware import gpu_peak_flops
+from raytrain_lm.devices import gpu_peak_flops
 
 # Model FLOPs utilisation assumed for a type no run has measured: what a well-tuned DDP/FSDP
 # step of a 100M-10B model reaches on current GPUs with bf16, compile and flash attention

@@ -36,10 +36,10 @@ from raytrain_lm.storage import OUTAGE_RETRY_S, Location, filesystem, is_uri, jo
 from raytrain_lm.sweeps.record import record_start
 from raytrain_lm.sweeps.runs import TAG_PBT_DONOR, TAG_PBT_VALUES, TAG_SWEEP, TAG_TRIAL
 from raytrain_lm.trainer import faults
+from raytrain_lm.trainer.chief_uploads import POINTER_FILE
 
 METRIC = "val_loss"  # what Ray Train reports (loop.py); ranked low to high
 TIME_ATTR = "step"  # survives restarts, unlike Tune's training_iteration
-POINTER_FILE = "train_checkpoint.json"
 
 
 def trial_run_name(sweep_name: str, trial_id: str) -> str:
@@ -130,7 +130,7 @@ def _adopt(pointer: dict[str, Any], run_dir: str) -> tuple[str, int] | None:
     the run's saved config, so the run resumes from it (fit.fit drops Ray Train's list of
     the removed checkpoints). Returns the donor's run name and step, or None when the
     checkpoint is the trial's own."""
-    from raytrain_lm.trainer.checkpoint import (  # torch: only where a trial runs
+    from raytrain_lm.checkpoints import (  # torch: only where a trial runs
         CONFIG_FILE,
         is_complete,
         latest_complete_checkpoint,

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from raytrain_lm import devices
 from raytrain_lm.errors import UserError
-from raytrain_lm.trainer import hardware
 from raytrain_lm.trainer.collectives import all_reduce
 
 MEASURE_STEPS = 5  # steps timed after the warm-up before auto makes its first plan
@@ -73,7 +73,7 @@ class ForwardClock:
 
 def type_weights(setting: Mapping[str, float], types: Sequence[str]) -> list[float]:
     """Each rank's weight from `scaling.balance: {TYPE: weight}` by its accelerator type."""
-    weights = [hardware.by_accelerator_type(setting, t) for t in types]
+    weights = [devices.by_accelerator_type(setting, t) for t in types]
     missing = sorted({t for t, w in zip(types, weights, strict=True) if w is None})
     if missing:
         raise UserError(
@@ -134,7 +134,7 @@ def per_type_metrics(
 ) -> dict[str, dict[str, float]]:
     """Per accelerator type: the tokens/s its ranks train (their shares of the group's), their
     MFU against the peaks of the devices they train on (`peaks`: per rank, from
-    `hardware.training_peaks`, as the progress line's MFU is), and, when each of its ranks
+    `devices.training_peaks`, as the progress line's MFU is), and, when each of its ranks
     has a price (`prices`: per rank, from `fault.price_per_hour` and the rank's node market;
     0 for none), what a million of its tokens cost."""
     figures: dict[str, dict[str, float]] = {}
@@ -144,9 +144,7 @@ def per_type_metrics(
         row = {
             "workers": float(len(ranks)),
             "tokens_per_s": kind_tokens_per_s,
-            "mfu": hardware.group_mfu(
-                flops_per_token, kind_tokens_per_s, [peaks[r] for r in ranks]
-            ),
+            "mfu": devices.group_mfu(flops_per_token, kind_tokens_per_s, [peaks[r] for r in ranks]),
         }
         if all(prices[r] > 0 for r in ranks) and kind_tokens_per_s > 0:
             usd_per_hour = sum(prices[r] for r in ranks)

@@ -15,8 +15,8 @@ from typing import Any
 
 from ray.train import UserCallback
 
+from raytrain_lm.runs.journal import append_event, read_events
 from raytrain_lm.trainer.capacity import refresh_capacity_view
-from raytrain_lm.trainer.goodput import append_event, read_events
 from raytrain_lm.trainer.signals import REPLICAS_DONE
 
 logger = logging.getLogger(__name__)

@@ -20,20 +20,12 @@ keeps Ray's own node listing.
 from __future__ import annotations
 
 import logging
-from typing import Any
+
+from raytrain_lm.placement import schedulable_nodes
 
 logger = logging.getLogger(__name__)
 
 _REQUESTER = "raytrain-lm"
-
-
-def schedulable_nodes() -> list[dict[str, Any]]:
-    """`ray.nodes()` without the nodes being drained: Ray schedules nothing new on them."""
-    import ray
-    from ray._private.state import state
-
-    draining = set(state.get_draining_nodes())
-    return [n for n in ray.nodes() if n["NodeID"] not in draining]
 
 
 def _head_node_id() -> str:

@@ -13,6 +13,10 @@ from typing import Any
 
 from raytrain_lm.trainer.progress import announce
 
+# Where a sweep trial's report carries the checkpoint it stands for (the trial's own Tune
+# checkpoint holds this file, pointing at the run's checkpoint rather than copying it).
+POINTER_FILE = "train_checkpoint.json"
+
 
 class ChiefUploads:
     def __init__(self, upload: Callable[[Path, str], str], reports: Any | None):
@@ -51,8 +55,6 @@ class ChiefUploads:
             shutil.rmtree(local, ignore_errors=True)
         if self.reports is None:
             return
-        from raytrain_lm.sweeps.trial import POINTER_FILE
-
         if previous is not None:
             previous.join()
         # Blocks until the trial took the previous report, as ReportToTune's put does.

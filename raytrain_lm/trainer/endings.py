@@ -11,17 +11,17 @@ from pathlib import Path
 
 import numpy as np
 
+from raytrain_lm.checkpoints import prune_checkpoints, save_checkpoint, upload_checkpoint
 from raytrain_lm.config import to_yaml
 from raytrain_lm.data import ledger
 from raytrain_lm.placement import OnDemandRequests
 from raytrain_lm.rundir import CONFIG_FILE, TOKENIZER_FILE
+from raytrain_lm.runs.journal import read_events
 from raytrain_lm.trainer import faults, signals
 from raytrain_lm.trainer.cadence import Flags
-from raytrain_lm.trainer.checkpoint import prune_checkpoints, save_checkpoint, upload_checkpoint
 from raytrain_lm.trainer.checkpoint_interval import interval_steps
 from raytrain_lm.trainer.collectives import all_reduce
 from raytrain_lm.trainer.deadline import DeadlineCapacity, measured_restart_s
-from raytrain_lm.trainer.goodput import read_events
 from raytrain_lm.trainer.progress import announce
 
 
@@ -155,7 +155,7 @@ class Endings:
         texts = {TOKENIZER_FILE: self.tokenizer_json, CONFIG_FILE: to_yaml(self.cfg)}
         saving = time.perf_counter()
         if self.sharded:  # every rank writes its shards; the whole weights at the end
-            from raytrain_lm.trainer.sharded import save_sharded_checkpoint
+            from raytrain_lm.checkpoints.sharded import save_sharded_checkpoint
 
             local = Path(tempfile.mkdtemp(prefix="raytrain-checkpoint-"))
             save_sharded_checkpoint(

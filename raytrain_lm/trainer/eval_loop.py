@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from raytrain_lm import devices
 from raytrain_lm.data.manifest import MANIFEST_FILE, Manifest
 from raytrain_lm.rundir import CONFIG_FILE
-from raytrain_lm.trainer import hardware
 from raytrain_lm.trainer.evaluation import Evaluator
 from raytrain_lm.trainer.storage_checks import check_visible
 
@@ -36,7 +36,7 @@ def eval_loop_per_worker(spec: EvalSpec) -> dict[str, float]:
     )
     context = ray.train.get_context()
     device = ray.train.torch.get_device()
-    hardware.configure_device(device)
+    devices.configure_device(device)
     model, _ = load_model(spec.checkpoint, device=str(device))
     evaluator = Evaluator(
         data_dir=spec.data_dir,
@@ -47,7 +47,7 @@ def eval_loop_per_worker(spec: EvalSpec) -> dict[str, float]:
         rank=context.get_world_rank(),
         world=context.get_world_size(),
         device=device,
-        bf16=hardware.use_bf16(device, spec.precision),
+        bf16=devices.use_bf16(device, spec.precision),
     )
     totals = evaluator.totals(model)
     return {"loss_sum": totals.loss_sum, "sequences": totals.sequences}

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
+from raytrain_lm import devices
 from raytrain_lm.data.manifest import Manifest
 from raytrain_lm.data.stream import validation_batches
-from raytrain_lm.trainer import hardware
 from raytrain_lm.trainer.collectives import all_reduce
 
 
@@ -63,7 +63,7 @@ class Evaluator:
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         count = 0
         for tokens in share:
-            t = hardware.tokens_to_device(tokens, self.device)
+            t = devices.tokens_to_device(tokens, self.device)
             total += self._loss(model, t).double() * t.shape[0]
             count += t.shape[0]
         # Shaped as a full batch: a compiled model would recompile for another shape.
@@ -75,6 +75,6 @@ class Evaluator:
         return Totals(loss_sum, int(sequences))
 
     def _loss(self, model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-        with hardware.autocast(self.device, self.bf16):
+        with devices.autocast(self.device, self.bf16):
             _, loss = model(tokens[:, :-1], tokens[:, 1:])
         return loss

@@ -15,10 +15,10 @@ from raytrain_lm.placement import (
     worker_resources,
 )
 from raytrain_lm.rundir import RAY_TRAIN_SNAPSHOT, RunDir
+from raytrain_lm.runs.journal import read_events
 from raytrain_lm.runtime import use_gpu
 from raytrain_lm.trainer import signals
 from raytrain_lm.trainer.deadline import ON_DEMAND, current_market
-from raytrain_lm.trainer.goodput import read_events
 from raytrain_lm.trainer.spec import WorkerSpec
 from raytrain_lm.trainer.stopping import run_interruptibly
 

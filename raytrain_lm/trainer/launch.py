@@ -17,6 +17,12 @@ from typing import Any
 
 import yaml
 
+from raytrain_lm.checkpoints import (
+    check_strategy_resumes,
+    ever_checkpointed,
+    latest_complete_checkpoint,
+    read_state,
+)
 from raytrain_lm.config import RunConfig, flatten, read_written_config, to_yaml
 from raytrain_lm.data.checks import check_data_matches_model, check_inputs
 from raytrain_lm.data.manifest import mlflow_dataset, verify_shards
@@ -33,6 +39,7 @@ from raytrain_lm.rundir import (
     is_uri,
 )
 from raytrain_lm.runlease import RunLease
+from raytrain_lm.runs.journal import append_event, read_events
 from raytrain_lm.runtime import ensure_ray
 from raytrain_lm.storage import check_writable
 from raytrain_lm.tokenization import load_tokenizer
@@ -40,15 +47,8 @@ from raytrain_lm.tracking import MLflowTracker
 from raytrain_lm.trainer import faults, signals
 from raytrain_lm.trainer.budget import refuse_if_spent
 from raytrain_lm.trainer.capacity import create_capacity_view, refresh_capacity_view
-from raytrain_lm.trainer.checkpoint import (
-    check_strategy_resumes,
-    ever_checkpointed,
-    latest_complete_checkpoint,
-    read_state,
-)
 from raytrain_lm.trainer.deadline import CAPACITY
 from raytrain_lm.trainer.fit import fit
-from raytrain_lm.trainer.goodput import append_event, read_events
 from raytrain_lm.trainer.plan import end_step
 from raytrain_lm.trainer.publish import finished_summary, publish, read_summary
 from raytrain_lm.trainer.spec import TrackingTarget, WorkerSpec
@@ -98,12 +98,8 @@ def train(
         _check_resume_compatible(cfg, run_dir, may_change)
         previous = latest_complete_checkpoint(run_dir)
         state = read_state(previous) if previous is not None else None
-        finished = None
-        if state is not None and state.step >= end_step(cfg.training):
-            finished = finished_summary(run_dir, previous)
+        finished = _finished_already(cfg, run_dir, previous, state)
         if finished is not None:
-            print(f"[raytrain-lm] run '{cfg.name}' already trained to step {state.step}: "
-                  f"nothing to do (its summary: {run_dir.at(SUMMARY_FILE)})", flush=True)  # fmt: skip
             return finished
         check_inputs(cfg.data)  # what can be refused without Ray, before starting it
         if not cfg.data.prepared:
@@ -127,19 +123,7 @@ def train(
         # Nothing is written before the tracking store answered: a run refused here leaves
         # no trace.
         tracker = _open_tracking(cfg, run_dir, parent_run_id, tags)
-        run_dir.create()
-        run_dir.write_text(to_yaml(cfg), CONFIG_FILE)
-        if tracker is not None:
-            record = {"tracking_uri": tracker.uri, "mlflow_run_id": tracker.run_id}
-            run_dir.write_text(json.dumps(record), TRACKING_FILE)
-            tracker.log_params(flatten(cfg))
-            tracker.log_dataset(
-                mlflow_dataset(data_dir, None if cfg.data.prepared else cfg.data.sources)
-            )
-            run_dir.write_text(load_tokenizer(data_dir).to_json(), TOKENIZER_FILE)
-            with run_dir.local_files(CONFIG_FILE, TOKENIZER_FILE) as (config, tokenizer):
-                tracker.log_artifact(config)
-                tracker.log_artifact(tokenizer)
+        _record_start(cfg, run_dir, data_dir, tracker)
 
         spec = WorkerSpec(
             config=cfg,
@@ -157,17 +141,50 @@ def train(
         if not trains:  # trained to the end by a driver that did not publish it (or stopped)
             print(f"[raytrain-lm] run '{cfg.name}' already trained to step {state.step}")
         else:
-            try:
-                stopped = _train_until_done(spec, callbacks)
-            except BaseException:
-                if tracker is not None:
-                    # A sweep's trial ends this way when its scheduler stops it too: its
-                    # driver, which knows why, ends the run (a later FAILED would overwrite it).
-                    ended = "KILLED" if _interrupted() else "FAILED"
-                    tracker.finish(None if parent_run_id is not None else ended)
-                raise
+            stopped = _train_tracked(spec, callbacks, tracker, in_sweep=parent_run_id is not None)
         held.check()  # a driver that lost its lease publishes nothing
         return publish(spec, tracker, started, stopped, trains, earlier)
+
+
+def _finished_already(cfg: RunConfig, run_dir: RunDir, previous, state) -> dict[str, Any] | None:
+    """The summary of a run that trained to its end and was published: starting it again
+    changes nothing."""
+    if state is None or state.step < end_step(cfg.training):
+        return None
+    finished = finished_summary(run_dir, previous)
+    if finished is not None:
+        print(f"[raytrain-lm] run '{cfg.name}' already trained to step {state.step}: "
+              f"nothing to do (its summary: {run_dir.at(SUMMARY_FILE)})", flush=True)  # fmt: skip
+    return finished
+
+
+def _record_start(cfg: RunConfig, run_dir: RunDir, data_dir: str, tracker) -> None:
+    """The run directory's config, and the tracked run's record, params, dataset and files."""
+    run_dir.create()
+    run_dir.write_text(to_yaml(cfg), CONFIG_FILE)
+    if tracker is None:
+        return
+    record = {"tracking_uri": tracker.uri, "mlflow_run_id": tracker.run_id}
+    run_dir.write_text(json.dumps(record), TRACKING_FILE)
+    tracker.log_params(flatten(cfg))
+    tracker.log_dataset(mlflow_dataset(data_dir, None if cfg.data.prepared else cfg.data.sources))
+    run_dir.write_text(load_tokenizer(data_dir).to_json(), TOKENIZER_FILE)
+    with run_dir.local_files(CONFIG_FILE, TOKENIZER_FILE) as (config, tokenizer):
+        tracker.log_artifact(config)
+        tracker.log_artifact(tokenizer)
+
+
+def _train_tracked(spec: WorkerSpec, callbacks: list | None, tracker, in_sweep: bool) -> bool:
+    """Trains until done; a run that fails or is interrupted is ended so in MLflow."""
+    try:
+        return _train_until_done(spec, callbacks)
+    except BaseException:
+        if tracker is not None:
+            # A sweep's trial ends this way when its scheduler stops it too: its driver,
+            # which knows why, ends the run (a later FAILED would overwrite it).
+            ended = "KILLED" if _interrupted() else "FAILED"
+            tracker.finish(None if in_sweep else ended)
+        raise
 
 
 def _connect(cfg: RunConfig) -> None:

@@ -13,15 +13,16 @@ import json
 import time
 from typing import Any
 
-from raytrain_lm.rundir import SUMMARY_FILE, TOKENIZER_FILE, RunDir
-from raytrain_lm.storage import Location
-from raytrain_lm.trainer.checkpoint import (
+from raytrain_lm.checkpoints import (
     MODEL_FILE,
     TrainState,
     latest_complete_checkpoint,
     read_state,
 )
-from raytrain_lm.trainer.goodput import close_previous_segment, read_events, summarize
+from raytrain_lm.rundir import SUMMARY_FILE, TOKENIZER_FILE, RunDir
+from raytrain_lm.runs.goodput import summarize
+from raytrain_lm.runs.journal import close_previous_segment, read_events
+from raytrain_lm.storage import Location
 from raytrain_lm.trainer.spec import WorkerSpec
 
 

@@ -37,16 +37,17 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from raytrain_lm import devices
+from raytrain_lm.checkpoints import TrainState, latest_complete_checkpoint, read_state
 from raytrain_lm.data import ledger
 from raytrain_lm.data.stream import StepStream, WorkerSlice
 from raytrain_lm.errors import UserError
+from raytrain_lm.runs.journal import Heartbeat
 from raytrain_lm.tracking import Tracker
-from raytrain_lm.trainer import faults, hardware, signals
+from raytrain_lm.trainer import faults, signals
 from raytrain_lm.trainer.balance import type_weights
 from raytrain_lm.trainer.cadence import Flags
-from raytrain_lm.trainer.checkpoint import TrainState, latest_complete_checkpoint, read_state
 from raytrain_lm.trainer.chief_uploads import ChiefUploads
-from raytrain_lm.trainer.goodput import Heartbeat
 from raytrain_lm.trainer.plan import BatchPlan
 from raytrain_lm.trainer.progress import ProgressBar, announce
 from raytrain_lm.trainer.quorum import (
@@ -472,7 +473,7 @@ class ReplicaWorker(Worker):
     def _read_pending(self) -> dict[str, float]:
         metrics = super()._read_pending()
         per_device = metrics["perf/tokens_per_s"] / max(1, self.participants)
-        metrics["perf/mfu"] = hardware.mfu(self.flops_per_token, per_device, self.device)
+        metrics["perf/mfu"] = devices.mfu(self.flops_per_token, per_device, self.device)
         metrics["comm/bytes_sent"] = self.quorum.bytes.sent  # this group's, to the others
         trained = max(1, self.state.tokens - self.throughput.first_step * self.tokens_per_step)
         metrics["comm/bytes_per_token"] = self.quorum.bytes.sent / trained
@@ -541,7 +542,7 @@ class ReplicaWorker(Worker):
     def _heartbeat(self) -> None:
         if self.is_chief:
             if self.heartbeats is None:
-                from raytrain_lm.trainer.goodput import HeartbeatWriter
+                from raytrain_lm.runs.journal import HeartbeatWriter
 
                 self.heartbeats = HeartbeatWriter(self.run_dir)
             self.heartbeats.put(self._beat())

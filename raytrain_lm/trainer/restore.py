@@ -16,14 +16,14 @@ from pathlib import Path
 
 import torch
 
-from raytrain_lm.errors import UserError
-from raytrain_lm.trainer.checkpoint import (
+from raytrain_lm.checkpoints import (
     TrainState,
     load_checkpoint,
     read_state,
     restore_newest,
     same_format,
 )
+from raytrain_lm.errors import UserError
 from raytrain_lm.trainer.collectives import from_chief
 
 
@@ -59,7 +59,7 @@ def restore_group(
     if location is None:
         return None, state
     if sharded:
-        from raytrain_lm.trainer.sharded import load_sharded_checkpoint
+        from raytrain_lm.checkpoints.sharded import load_sharded_checkpoint
 
         state = load_sharded_checkpoint(location, model, optimizer)
     elif rank != 0:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from raytrain_lm.trainer import hardware
+from raytrain_lm import devices
 from raytrain_lm.trainer.balance import ForwardClock
 from raytrain_lm.trainer.plan import BatchPlan
 
@@ -89,7 +89,7 @@ def accumulate_gradients(parts: StepParts, tokens: np.ndarray) -> torch.Tensor:
         rows = tokens[first : first + size] if size else tokens[:1]
         first += size
         weight = plan.world_size * size / plan.global_batch
-        t = hardware.tokens_to_device(rows, parts.device)
+        t = devices.tokens_to_device(rows, parts.device)
         sync = contextlib.nullcontext()
         last = i == len(sizes) - 1
         if parts.ddp is not None and not last:
@@ -101,7 +101,7 @@ def accumulate_gradients(parts: StepParts, tokens: np.ndarray) -> torch.Tensor:
         with sync:
             if parts.clock is not None:
                 parts.clock.start()
-            with hardware.autocast(parts.device, parts.bf16):
+            with devices.autocast(parts.device, parts.bf16):
                 _, loss = parts.model(t[:, :-1], t[:, 1:])  # (B, T) in, scalar loss out
             if parts.clock is not None:
                 parts.clock.stop(size)

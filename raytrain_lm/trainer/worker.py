@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from raytrain_lm import devices
+from raytrain_lm.checkpoints import TrainState
 from raytrain_lm.config import BALANCE_AUTO_UNDER_FSDP
 from raytrain_lm.data import ledger
 from raytrain_lm.data.manifest import Manifest
@@ -27,9 +29,16 @@ from raytrain_lm.data.order import SequenceOrder
 from raytrain_lm.data.stream import WorkerSlice, stream_train_batches
 from raytrain_lm.errors import UserError
 from raytrain_lm.models import build_model
+from raytrain_lm.runs.goodput import summarize
+from raytrain_lm.runs.journal import (
+    Heartbeat,
+    HeartbeatWriter,
+    append_event,
+    close_previous_segment,
+)
 from raytrain_lm.tokenization import load_tokenizer
 from raytrain_lm.tracking import MLflowTracker, NullTracker, Tracker
-from raytrain_lm.trainer import faults, hardware, signals
+from raytrain_lm.trainer import faults, signals
 from raytrain_lm.trainer.balance import (
     MEASURE_STEPS,
     ForwardClock,
@@ -38,18 +47,10 @@ from raytrain_lm.trainer.balance import (
 )
 from raytrain_lm.trainer.budget import BudgetGuard
 from raytrain_lm.trainer.cadence import Cadences, Flags
-from raytrain_lm.trainer.checkpoint import TrainState
 from raytrain_lm.trainer.checkpoint_interval import observed_interruptions
 from raytrain_lm.trainer.collectives import FlagChannel, all_reduce
 from raytrain_lm.trainer.endings import Endings
 from raytrain_lm.trainer.evaluation import Evaluator
-from raytrain_lm.trainer.goodput import (
-    Heartbeat,
-    HeartbeatWriter,
-    append_event,
-    close_previous_segment,
-    summarize,
-)
 from raytrain_lm.trainer.mesh import Layout
 from raytrain_lm.trainer.parallel import (
     apply_layout,
@@ -78,9 +79,9 @@ class Worker(Rebalancing, Endings):
         self.spec, self.cfg, self.rank, self.world, self.t_start = spec, cfg, rank, world, t_start
         self.ray = ray_side
         self.device = ray_side.device
-        hardware.configure_device(self.device)
-        self.bf16 = hardware.use_bf16(self.device, cfg.training.precision)
-        self.compile = hardware.use_compile(self.device, cfg.training.compile)
+        devices.configure_device(self.device)
+        self.bf16 = devices.use_bf16(self.device, cfg.training.precision)
+        self.compile = devices.use_compile(self.device, cfg.training.compile)
         self.run_dir = spec.run_dir
 
         self.manifest = Manifest.load(spec.data_dir)
@@ -102,9 +103,9 @@ class Worker(Rebalancing, Endings):
         self.data_rank, self.data_world = self.layout.data_rank(rank), self.layout.data_world
         self.types = self.ray.accelerator_types(world, self.device)  # each rank's, on every rank
         prices, market = cfg.fault.price_per_hour, self.ray.node_market()
-        self.my_price = hardware.price_per_hour(prices, self.types[rank], market) or 0.0  # 0: none
+        self.my_price = devices.price_per_hour(prices, self.types[rank], market) or 0.0  # 0: none
         self.plan = self._initial_plan()
-        self.optimizer = hardware.build_adamw(
+        self.optimizer = devices.build_adamw(
             self.model.optimizer_groups(cfg.optim.weight_decay),
             cfg.optim.lr,
             (cfg.optim.beta1, cfg.optim.beta2),
@@ -396,7 +397,7 @@ class Worker(Rebalancing, Endings):
         metrics.update(
             {
                 "perf/tokens_per_s": tokens_per_s,
-                "perf/mfu": hardware.group_mfu(
+                "perf/mfu": devices.group_mfu(
                     self.flops_per_token, tokens_per_s, self._peaks(self.types)
                 ),
                 "perf/step_time_s": seconds / steps,
@@ -427,7 +428,7 @@ class Worker(Rebalancing, Endings):
     def _peaks(self, types: list[str]) -> list[float]:
         """The peak FLOP/s of the device each rank of `types` trains on: the one definition
         behind every MFU figure (the progress line's, the per-type ones, the summary's)."""
-        return hardware.training_peaks(types, self.device, self.types[self.rank])
+        return devices.training_peaks(types, self.device, self.types[self.rank])
 
     def _roster_of_shares(self) -> tuple[list[str], list[float]]:
         """The accelerator type and hourly price (0: none given) of each share of the plan."""

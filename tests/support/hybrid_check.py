@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from raytrain_lm.trainer.checkpoint import TrainState
-from raytrain_lm.trainer.sharded import load_sharded_checkpoint, save_sharded_checkpoint
+from raytrain_lm.checkpoints import TrainState
+from raytrain_lm.checkpoints.sharded import load_sharded_checkpoint, save_sharded_checkpoint
 from support.parallel_check import ARCHS, SAVE_AT, STEPS, Run
 
 NODES = ["node-a", "node-b", "node-a", "node-b"]

@@ -20,15 +20,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from raytrain_lm import devices
+from raytrain_lm.checkpoints import TrainState
+from raytrain_lm.checkpoints.sharded import load_sharded_checkpoint, save_sharded_checkpoint
 from raytrain_lm.config import TrainingConfig
 from raytrain_lm.llama import Llama, LlamaShape
 from raytrain_lm.model import GPT, GPTShape
-from raytrain_lm.trainer import hardware
-from raytrain_lm.trainer.checkpoint import TrainState
 from raytrain_lm.trainer.mesh import build_meshes, plan_layout
 from raytrain_lm.trainer.parallel import local_state_bytes, shard_model
 from raytrain_lm.trainer.plan import BatchPlan, learning_rate
-from raytrain_lm.trainer.sharded import load_sharded_checkpoint, save_sharded_checkpoint
 from raytrain_lm.trainer.step import StepParts, accumulate_gradients, train_step
 
 VOCAB, SEQ, GLOBAL_BATCH, MICRO, STEPS, SAVE_AT = 64, 16, 8, 2, 20, 10
@@ -90,9 +90,7 @@ class Run:
             self.data_mesh = data_mesh
         elif strategy == "ddp":
             model = torch.nn.parallel.DistributedDataParallel(self.raw)
-        self.optimizer = hardware.build_adamw(
-            self.raw.optimizer_groups(0.1), 1e-2, (0.9, 0.95), CPU
-        )
+        self.optimizer = devices.build_adamw(self.raw.optimizer_groups(0.1), 1e-2, (0.9, 0.95), CPU)
         training = TrainingConfig(global_batch_size=GLOBAL_BATCH, micro_batch_size=micro)
         sharded = strategy in ("fsdp", "hsdp")
         world = self.layout.data_world

@@ -26,8 +26,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from raytrain_lm import checkpoints
 from raytrain_lm.model import GPT, GPTShape
-from raytrain_lm.trainer import checkpoint, restore
+from raytrain_lm.trainer import restore
 from raytrain_lm.trainer.collectives import pin_gloo_interface
 
 COLLECTIVE_TIMEOUT_S = 3.0
@@ -45,9 +46,9 @@ def _model_and_optimizer(seed: int):
 def _write_checkpoint(run_dir: Path) -> None:
     model, optimizer = _model_and_optimizer(seed=1)
     local = Path(tempfile.mkdtemp())
-    state = checkpoint.TrainState(step=STEP, tokens=STEP * 64, position=STEP * 4, strategy="ddp")
-    checkpoint.save_checkpoint(local, model, optimizer, state, {})
-    checkpoint.upload_checkpoint(local, str(run_dir / f"checkpoint_{STEP:06d}"), 30.0)
+    state = checkpoints.TrainState(step=STEP, tokens=STEP * 64, position=STEP * 4, strategy="ddp")
+    checkpoints.save_checkpoint(local, model, optimizer, state, {})
+    checkpoints.upload_checkpoint(local, str(run_dir / f"checkpoint_{STEP:06d}"), 30.0)
 
 
 def main(mode: str, run_dir: Path, out: Path) -> None:
@@ -60,7 +61,7 @@ def main(mode: str, run_dir: Path, out: Path) -> None:
     if rank == 0:
         _write_checkpoint(run_dir)
     else:  # not a barrier: on a loaded machine the write alone outlasts the 3-second timeout
-        marker = run_dir / f"checkpoint_{STEP:06d}" / checkpoint.MARKER_FILE
+        marker = run_dir / f"checkpoint_{STEP:06d}" / checkpoints.MARKER_FILE
         deadline = time.time() + 60
         while not marker.exists() and time.time() < deadline:
             time.sleep(0.05)

@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from raytrain_lm.trainer.checkpoint import (
+from raytrain_lm.checkpoints import (
     MODEL_FILE,
     STATE_FILE,
     TrainState,
