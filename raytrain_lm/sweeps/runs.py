@@ -19,7 +19,7 @@ from raytrain_lm.config import flatten
 from raytrain_lm.rundir import TOKENIZER_FILE, RunDir
 from raytrain_lm.sweeps.plots import log_loss_curve
 from raytrain_lm.sweeps.spec import Sweep
-from raytrain_lm.tracking import MLflowTracker
+from raytrain_lm.tracking.mlflow_tracker import MLflowTracker
 from raytrain_lm.trainer.checkpoint import MODEL_FILE, latest_complete_checkpoint, read_state
 
 TAG_SWEEP = "raytrain_lm.sweep"

@@ -40,7 +40,7 @@ import torch
 from raytrain_lm.data import ledger
 from raytrain_lm.data.stream import StepStream, WorkerSlice
 from raytrain_lm.errors import UserError
-from raytrain_lm.tracking import Tracker
+from raytrain_lm.tracking.interface import Tracker
 from raytrain_lm.trainer import faults, hardware, signals
 from raytrain_lm.trainer.balance import type_weights
 from raytrain_lm.trainer.cadence import Flags

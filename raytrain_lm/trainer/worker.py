@@ -28,7 +28,8 @@ from raytrain_lm.data.stream import WorkerSlice, stream_train_batches
 from raytrain_lm.errors import UserError
 from raytrain_lm.models import build_model
 from raytrain_lm.tokenization import load_tokenizer
-from raytrain_lm.tracking import MLflowTracker, NullTracker, Tracker
+from raytrain_lm.tracking.interface import NullTracker, Tracker
+from raytrain_lm.tracking.mlflow_tracker import MLflowTracker
 from raytrain_lm.trainer import faults, hardware, signals
 from raytrain_lm.trainer.balance import (
     MEASURE_STEPS,
