@@ -358,7 +358,7 @@ def run(argv: list[str]) -> int:
     summary = train(cfg)
     print("summary: " + json.dumps(summary))
     if summary.get("mlflow_run_id"):
-        from raytrain_lm.tracking_ui import where_to_look
+        from raytrain_lm.tracking.ui import where_to_look
 
         print(where_to_look(cfg.tracking.uri, summary["mlflow_run_id"]))
     return EXIT_INTERRUPTED if summary["stopped"] else 0

@@ -190,54 +190,85 @@ def quiet_worker_output() -> None:
 def _dropping_harmless(handler):
     if getattr(handler, "drops_harmless_lines", False):
         return handler
-    aborted: set = set()  # processes whose actor-creation abort is being printed
-    held: dict = {}  # per process, a traceback read so far and its harmless last line
-    unregistered: dict = {}  # per process, the lines of a controller's cleaner error so far
+    harmless = _HarmlessLines()
 
     def handle(data: dict) -> None:
-        lines, kept = data.get("lines") or [], []
-        pid = data.get("pid")
-        for line in lines:
-            plain = ANSI.sub("", line)
-            if pid in unregistered:
-                unregistered[pid].append(line)
-                if CLEANER_GONE_END in line:
-                    del unregistered[pid]  # the whole message, dropped
-                elif len(unregistered[pid]) >= CLEANER_GONE_LINES:
-                    kept.extend(unregistered.pop(pid))
-                continue
-            if pid in held:
-                if line.startswith((" ", "\t", "Traceback")):
-                    held[pid][1].append(line)
-                    continue
-                harmless, error = held.pop(pid)
-                if harmless.match(plain):
-                    continue  # the whole traceback, its exception the harmless one
-                kept.extend(error)  # any other error is printed whole
-            traceback_of = next(
-                (h for first, h in HARMLESS_TRACEBACKS if first.search(plain)), None
-            )
-            if traceback_of is not None:
-                held[pid] = (traceback_of, [line])
-            elif CLEANER_GONE in line:
-                if CLEANER_GONE_END not in line:
-                    unregistered[pid] = [line]
-            elif data.get("actor_name") == CLEANER and CLEANER_NOTES.search(plain):
-                continue
-            elif ACTOR_CREATION_ABORTED.search(line):
-                aborted.add(pid)
-            elif pid in aborted and _STACK_FRAME.search(line):
-                continue  # that abort's stack trace
-            elif not line.strip():
-                continue  # a blank line from a worker says nothing, prefixed with its name
-            elif not (HARMLESS_ACTOR_ARGS.search(line) or ACTOR_ALREADY_GONE.search(line)):
-                aborted.discard(pid)
-                kept.append(line)
+        lines = data.get("lines") or []
+        kept = harmless.kept(data.get("pid"), data.get("actor_name"), lines)
         if kept or not lines:
             handler({**data, "lines": kept})
 
     handle.drops_harmless_lines = True
     return handle
+
+
+class _HarmlessLines:
+    """The lines of a process's output that are not the harmless messages named above.
+    Several of those span lines, which may come in several batches: what is read of one so
+    far is kept per process until its end shows whether it goes or is printed whole."""
+
+    def __init__(self):
+        self.aborted: set = set()  # processes whose actor-creation abort is being printed
+        self.held: dict = {}  # per process, a traceback read so far and its harmless last line
+        self.unregistered: dict = {}  # per process, the lines of a controller's cleaner error
+
+    def kept(self, pid, actor_name: str | None, lines: list[str]) -> list[str]:
+        return [kept for line in lines for kept in self._after(pid, actor_name, line)]
+
+    def _after(self, pid, actor_name: str | None, line: str) -> list[str]:
+        """What `line`, and what it ends of a message held so far, leave to print."""
+        plain = ANSI.sub("", line)
+        if pid in self.unregistered:
+            return self._cleaner_gone_goes_on(pid, line)
+        if pid in self.held:
+            if line.startswith((" ", "\t", "Traceback")):
+                self.held[pid][1].append(line)
+                return []
+            harmless, error = self.held.pop(pid)
+            if harmless.match(plain):
+                return []  # the whole traceback, its exception the harmless one
+            # Any other error is printed whole.
+            return [*error, *self._alone(pid, actor_name, line, plain)]
+        return self._alone(pid, actor_name, line, plain)
+
+    def _cleaner_gone_goes_on(self, pid, line: str) -> list[str]:
+        self.unregistered[pid].append(line)
+        if CLEANER_GONE_END in line:
+            del self.unregistered[pid]  # the whole message, dropped
+        elif len(self.unregistered[pid]) >= CLEANER_GONE_LINES:
+            return self.unregistered.pop(pid)  # longer than that message: another, printed
+        return []
+
+    def _alone(self, pid, actor_name: str | None, line: str, plain: str) -> list[str]:
+        """What a line that continues no held message leaves to print."""
+        if self._opens_long_message(pid, line, plain):
+            return []
+        if actor_name == CLEANER and CLEANER_NOTES.search(plain):
+            return []
+        if ACTOR_CREATION_ABORTED.search(line):
+            self.aborted.add(pid)
+            return []
+        if pid in self.aborted and _STACK_FRAME.search(line):
+            return []  # that abort's stack trace
+        if not line.strip():
+            return []  # a blank line from a worker says nothing, prefixed with its name
+        if HARMLESS_ACTOR_ARGS.search(line) or ACTOR_ALREADY_GONE.search(line):
+            return []
+        self.aborted.discard(pid)
+        return [line]
+
+    def _opens_long_message(self, pid, line: str, plain: str) -> bool:
+        """Whether `line` opens a harmless message of several lines, held from here until its
+        end shows whether it goes (a cleaner error that is whole in this line goes at once)."""
+        traceback_of = next((h for first, h in HARMLESS_TRACEBACKS if first.search(plain)), None)
+        if traceback_of is not None:
+            self.held[pid] = (traceback_of, [line])
+            return True
+        if CLEANER_GONE in line:
+            if CLEANER_GONE_END not in line:
+                self.unregistered[pid] = [line]
+            return True
+        return False
 
 
 class _DropRayDataChatter(logging.Filter):

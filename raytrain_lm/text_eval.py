@@ -180,7 +180,7 @@ def _run_workers(
 
 def _log(run_dir: RunDir, result: dict[str, Any]) -> str | None:
     """Logs `result` to the run's MLflow run (None when the run was not tracked)."""
-    from raytrain_lm.tracking import MLflowTracker
+    from raytrain_lm.tracking.mlflow_tracker import MLflowTracker
 
     record = run_dir.read_text(TRACKING_FILE)
     if record is None:

@@ -24,8 +24,8 @@ import yaml
 from raytrain_lm import cli
 from raytrain_lm.config import load_config
 from raytrain_lm.config.tracking import TrackingConfig
-from raytrain_lm.tracking import MLflowTracker
-from raytrain_lm.tracking_ui import (
+from raytrain_lm.tracking.mlflow_tracker import MLflowTracker
+from raytrain_lm.tracking.ui import (
     KIND_TAG,
     TRAINING_KIND,
     TRAINING_VIEW_TAG,

@@ -19,7 +19,7 @@ from raytrain_lm.config import load_config
 from raytrain_lm.errors import UserError
 from raytrain_lm.redaction import REDACTED, looks_secret, redact
 from raytrain_lm.runtime import free_port
-from raytrain_lm.tracking import MLflowTracker
+from raytrain_lm.tracking.mlflow_tracker import MLflowTracker
 from raytrain_lm.trainer import faults
 
 

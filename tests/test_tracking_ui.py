@@ -17,8 +17,8 @@ import mlflow
 import pytest
 from mlflow.tracking import MlflowClient
 
-from raytrain_lm.tracking import MLflowTracker
-from raytrain_lm.tracking_ui import (
+from raytrain_lm.tracking.mlflow_tracker import MLflowTracker
+from raytrain_lm.tracking.ui import (
     KIND_TAG,
     SAVED_VIEW_PREFIX,
     TRAINING_KIND,

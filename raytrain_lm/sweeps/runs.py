@@ -20,7 +20,7 @@ from raytrain_lm.config import flatten
 from raytrain_lm.rundir import TOKENIZER_FILE, RunDir
 from raytrain_lm.sweeps.plots import log_loss_curve
 from raytrain_lm.sweeps.spec import Sweep
-from raytrain_lm.tracking import MLflowTracker
+from raytrain_lm.tracking.mlflow_tracker import MLflowTracker
 
 TAG_SWEEP = "raytrain_lm.sweep"
 TAG_TRIAL = "raytrain_lm.trial_id"

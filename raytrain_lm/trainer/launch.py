@@ -43,7 +43,7 @@ from raytrain_lm.runs.journal import append_event, read_events
 from raytrain_lm.runtime import ensure_ray
 from raytrain_lm.storage import check_writable
 from raytrain_lm.tokenization import load_tokenizer
-from raytrain_lm.tracking import MLflowTracker
+from raytrain_lm.tracking.mlflow_tracker import MLflowTracker
 from raytrain_lm.trainer import faults, signals
 from raytrain_lm.trainer.budget import refuse_if_spent
 from raytrain_lm.trainer.capacity import create_capacity_view, refresh_capacity_view

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from raytrain_lm.config import RunConfig
-from raytrain_lm.tracking import Tracker
+from raytrain_lm.tracking.interface import Tracker
 from raytrain_lm.trainer import faults, torchft_adapter
 from raytrain_lm.trainer.progress import ProgressBar, announce
 

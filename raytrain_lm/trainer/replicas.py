@@ -43,7 +43,7 @@ from raytrain_lm.data import ledger
 from raytrain_lm.data.stream import StepStream, WorkerSlice
 from raytrain_lm.errors import UserError
 from raytrain_lm.runs.journal import Heartbeat
-from raytrain_lm.tracking import Tracker
+from raytrain_lm.tracking.interface import Tracker
 from raytrain_lm.trainer import faults, signals
 from raytrain_lm.trainer.balance import type_weights
 from raytrain_lm.trainer.cadence import Flags

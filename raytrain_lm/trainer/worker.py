@@ -37,7 +37,8 @@ from raytrain_lm.runs.journal import (
     close_previous_segment,
 )
 from raytrain_lm.tokenization import load_tokenizer
-from raytrain_lm.tracking import MLflowTracker, NullTracker, Tracker
+from raytrain_lm.tracking.interface import NullTracker, Tracker
+from raytrain_lm.tracking.mlflow_tracker import MLflowTracker
 from raytrain_lm.trainer import faults, signals
 from raytrain_lm.trainer.balance import (
     MEASURE_STEPS,
