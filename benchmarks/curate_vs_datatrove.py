@@ -15,8 +15,8 @@ original over word 5-grams is computed exactly, for the ground truth.
    hashes_per_bucket=8), each stage a LocalPipelineExecutor (stages 1 and 4: one task per
    file; stage 2: 14 tasks; stage 3: one), `--cpus` workers, the JSON Lines written by stage 4
    (kept documents, and the removed ones through its exclusion writer). Ours: `prepare`'s
-   deduplication pass as `prepare` runs it (`_documents(inputs, duplicate_keys)`: Ray Data
-   reading tasks emitting keys, then `find_duplicates`; data.curate.near_dedup on, scope
+   deduplication pass as `prepare` runs it (`map_input_groups(inputs, duplicate_keys)`: Ray
+   Data reading tasks emitting keys, then `find_duplicates`; data.curate.near_dedup on, scope
    global), on a local Ray of `--cpus` CPUs; its file of removed ids. Both keep one document
    per cluster, not by the same rule: we keep the first in input order, datatrove the root of
    its union-find (union by size; of a pair, the lower (file, document) becomes the root). So
@@ -100,7 +100,7 @@ def run_ours(corpus: Path, work: Path) -> dict:
 
     from raytrain_lm.config import DataConfig
     from raytrain_lm.data.curate.dedup import REMOVED_FILE, find_duplicates
-    from raytrain_lm.data.prepare import _documents
+    from raytrain_lm.data.prepare_job import map_input_groups
     from raytrain_lm.data.prepare_tasks import duplicate_keys
     from raytrain_lm.data.sources import expand_sources
 
@@ -115,7 +115,9 @@ def run_ours(corpus: Path, work: Path) -> dict:
     with CpuMeter() as cpu:
         started = time.perf_counter()
         inputs = expand_sources(cfg.sources)
-        keys = _documents(inputs, duplicate_keys, text_field=cfg.text_field, curate=cfg.curate)
+        keys = map_input_groups(
+            inputs, duplicate_keys, text_field=cfg.text_field, curate=cfg.curate
+        )
         # Materialised here only to time the two halves apart (prepare streams them): the
         # grouping cannot start its reduce before every key is in anyway.
         keys = keys.materialize()

@@ -111,7 +111,8 @@ def main() -> None:
     from raytrain_lm.config import DataConfig, load_config
     from raytrain_lm.data.manifest import Manifest
     from raytrain_lm.data.order import SequenceOrder
-    from raytrain_lm.data.prepare import prepare, train_bpe
+    from raytrain_lm.data.prepare import prepare
+    from raytrain_lm.data.prepare_tokenizer import train_bpe
     from raytrain_lm.data.sources import expand_source, read_documents
     from raytrain_lm.data.stream import WorkerSlice, stream_train_batches
 

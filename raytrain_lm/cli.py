@@ -391,7 +391,7 @@ def _run_sweep_command(args, short_overrides: list[str]) -> int:
 def _train_tokenizer(cfg, out: str, sample_bytes: int) -> int:
     from pathlib import Path
 
-    from raytrain_lm.data.prepare import train_bpe
+    from raytrain_lm.data.prepare_tokenizer import train_bpe
     from raytrain_lm.runtime import ensure_local_ray
     from raytrain_lm.tokenization import TOKENIZER_FILE
 

@@ -233,7 +233,7 @@ def test_prepare_removes_and_reports_per_rule_and_source(tmp_path, capsys, monke
     file skips the prose rules. The stream is exactly the kept documents in input order, the
     manifest and the printed table count them. With a byte cap that ends the stream inside a
     file, one read task or four give the same shards and counts."""
-    from raytrain_lm.data import prepare as prepare_module
+    from raytrain_lm.data import prepare_job
     from raytrain_lm.data.prepare import prepare
 
     planted = _corpus(tmp_path / "in")
@@ -273,8 +273,8 @@ def test_prepare_removes_and_reports_per_rule_and_source(tmp_path, capsys, monke
 
     cap = prose["kept"][1] // 3
     capped = prepare(_curated(tmp_path, "capped", cap), progress=False)
-    original = prepare_module.ordered_dataset
-    monkeypatch.setattr(prepare_module, "ordered_dataset", lambda items, blocks: original(items, 1))
+    original = prepare_job.ordered_dataset
+    monkeypatch.setattr(prepare_job, "ordered_dataset", lambda items, blocks: original(items, 1))
     one_task = prepare(_curated(tmp_path, "capped-one-task", cap), progress=False)
     shards = [s.sha256 for split in capped.manifest.splits.values() for s in split.shards]
     assert [s.sha256 for split in one_task.manifest.splits.values() for s in split.shards] == shards

@@ -451,7 +451,7 @@ def test_the_driver_receives_no_token_arrays(tmp_path, monkeypatch):
     import ray.data
 
     from raytrain_lm.data.manifest import ShardInfo
-    from raytrain_lm.data.prepare import METADATA_COLUMNS
+    from raytrain_lm.data.prepare_tasks import METADATA_COLUMNS
 
     (tmp_path / "in").mkdir()
     for i in range(8):

@@ -111,50 +111,63 @@ def _uri_for(source: str, inner: str) -> str:
     return inner
 
 
+def _builtin_inputs(source: str) -> list[InputFile]:
+    if source == BUILTIN_DOCS:
+        return [InputFile(BUILTIN_DOCS)]
+    if source == BUILTIN_STDLIB:
+        local = pafs.LocalFileSystem()
+        return [_file(local.get_file_info(str(p)), str(p)) for p in _stdlib_files()]
+    raise UserError(f"unknown builtin corpus '{source}'; use {BUILTIN_STDLIB} or {BUILTIN_DOCS}")
+
+
+def _local_glob_matches(source: str, fs: pafs.FileSystem) -> list[tuple[pafs.FileInfo, str]]:
+    """A local glob, as Python's glob reads it (`**` spans folders), after `~` is expanded."""
+    matches = sorted(
+        p for p in glob.glob(os.path.expanduser(source), recursive=True) if os.path.isfile(p)
+    )
+    return [(fs.get_file_info(os.path.abspath(p)), os.path.abspath(p)) for p in matches]
+
+
+def _uri_glob_matches(fs: pafs.FileSystem, pattern: str) -> list[tuple[pafs.FileInfo, str]]:
+    """A glob in a URI, which pyarrow's filesystems do not expand: every file under the folder
+    before its first wildcard, matched against the pattern."""
+    base = pattern[: min(pattern.index(c) for c in "*?[" if c in pattern)].rsplit("/", 1)[0]
+    listing = fs.get_file_info(pafs.FileSelector(base, recursive=True, allow_not_found=True))
+    return [
+        (i, i.path)
+        for i in listing
+        if i.type == pafs.FileType.File and fnmatch.fnmatch(i.path, pattern)
+    ]
+
+
+def _path_matches(source: str, fs: pafs.FileSystem, path: str) -> list[tuple[pafs.FileInfo, str]]:
+    """A file, or the files of a folder that hold text, JSON Lines or Parquet."""
+    info = fs.get_file_info(path)
+    if info.type == pafs.FileType.File:
+        return [(info, path)]
+    if info.type != pafs.FileType.Directory:
+        raise UserError(f"input not found: {source}")
+    listing = fs.get_file_info(pafs.FileSelector(path, recursive=True))
+    files = [(i, i.path) for i in listing if i.type == pafs.FileType.File and _kind(i.base_name)[0]]
+    if not files:
+        raise UserError(f"input folder {source} holds no text, JSON Lines or Parquet files")
+    return files
+
+
 def expand_source(source: str) -> list[InputFile]:
     """A source spec -> the concrete inputs it names, sorted."""
     if source.startswith("builtin:"):
-        if source == BUILTIN_DOCS:
-            return [InputFile(BUILTIN_DOCS)]
-        if source == BUILTIN_STDLIB:
-            return [
-                _file(pafs.LocalFileSystem().get_file_info(str(p)), str(p)) for p in _stdlib_files()
-            ]
-        raise UserError(
-            f"unknown builtin corpus '{source}'; use {BUILTIN_STDLIB} or {BUILTIN_DOCS}"
-        )
+        return _builtin_inputs(source)
     try:
         fs, inner = filesystem(source)
     except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
         raise UserError(f"cannot open input {source}: {exc}".splitlines()[0]) from None
     if not is_uri(source) and any(c in source for c in "*?["):
-        matches = sorted(
-            p for p in glob.glob(os.path.expanduser(source), recursive=True) if os.path.isfile(p)
-        )
-        infos = [(fs.get_file_info(os.path.abspath(p)), os.path.abspath(p)) for p in matches]
+        infos = _local_glob_matches(source, fs)
     elif any(c in inner for c in "*?["):
-        base = inner[: min(inner.index(c) for c in "*?[" if c in inner)].rsplit("/", 1)[0]
-        listing = fs.get_file_info(pafs.FileSelector(base, recursive=True, allow_not_found=True))
-        infos = [
-            (i, i.path)
-            for i in listing
-            if i.type == pafs.FileType.File and fnmatch.fnmatch(i.path, inner)
-        ]
+        infos = _uri_glob_matches(fs, inner)
     else:
-        info = fs.get_file_info(inner)
-        if info.type == pafs.FileType.File:
-            infos = [(info, inner)]
-        elif info.type == pafs.FileType.Directory:
-            listing = fs.get_file_info(pafs.FileSelector(inner, recursive=True))
-            infos = [
-                (i, i.path)
-                for i in listing
-                if i.type == pafs.FileType.File and _kind(i.base_name)[0]
-            ]
-            if not infos:
-                raise UserError(f"input folder {source} holds no text, JSON Lines or Parquet files")
-        else:
-            raise UserError(f"input not found: {source}")
+        infos = _path_matches(source, fs, inner)
     if not infos:
         raise UserError(f"input not found: {source}")
     return [_file(info, _uri_for(source, path)) for info, path in sorted(infos, key=lambda x: x[1])]
