@@ -4,7 +4,7 @@ one process and one Ray (issue 17).
     .venv/bin/python benchmarks/balance_cpu.py [--rounds 2] [--factor 2 3] [--steps 40]
 
 Two workers on simulated devices (`RAYTRAIN_LM_FAULT=device-time:seconds=S:rank=1:factor=F`,
-trainer/faults.py): each forward pass takes S seconds per sequence longer and each backward 2S,
+trainer/chaos.py): each forward pass takes S seconds per sequence longer and each backward 2S,
 slept by the host as it waits for a GPU, and rank 1's F times as long, as a slower GPU type
 beside a faster one. The tiny model's own work is small beside it: on these 2 shared cores,
 real work slowed down would measure the machine's load more than the plan (tried first: the
@@ -73,7 +73,7 @@ def main() -> None:
     args = p.parse_args()
 
     from raytrain_lm.runtime import init_local_ray
-    from raytrain_lm.trainer.faults import ENV_VAR
+    from raytrain_lm.trainer.chaos import ENV_VAR
 
     init_local_ray(num_cpus=6, log_to_driver=False)
     work = Path(tempfile.mkdtemp(prefix="balance-bench-"))

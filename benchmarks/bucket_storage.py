@@ -420,7 +420,7 @@ def main() -> None:
         if args.only in (None, "training"):
             import ray
 
-            from raytrain_lm.trainer.launch import default_ray_env
+            from raytrain_lm.trainer.driver.launch import default_ray_env
 
             default_ray_env()
             # A Ray of its own, started after the bucket's variables are set: workers inherit

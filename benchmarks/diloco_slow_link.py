@@ -64,7 +64,7 @@ from raytrain_lm.clusters.multinode import SLOT, LocalCluster  # noqa: E402
 from raytrain_lm.config import load_config  # noqa: E402
 from raytrain_lm.rundir import RunDir  # noqa: E402
 from raytrain_lm.runs.journal import read_events  # noqa: E402
-from raytrain_lm.trainer import signals  # noqa: E402
+from raytrain_lm.trainer.components import stop_requests  # noqa: E402
 
 EVERY = "every"
 BLOCK = 64  # tokens per sequence
@@ -148,7 +148,7 @@ def watch(run_dir: Path, uri: str, target: float | None, done: threading.Event, 
             output_format="list",
         )
         if runs and any(v <= target for _, _, v in metric(uri, runs[0].info.run_id, "val/loss")):
-            signals.request_stop(RunDir(str(run_dir)), "reached the target val loss")
+            stop_requests.request_stop(RunDir(str(run_dir)), "reached the target val loss")
             seen["stopped"], target = True, None
 
 

@@ -1,10 +1,11 @@
 """The GPU check: raytrain-lm's training step on the lent GPU machine as it is (Python 3.12, a
 CUDA torch, no Ray, no MLflow, no network), against plain PyTorch, in at most 6 minutes. It
-drives our own parts without Ray: the model, the step (trainer/step.py: micro-batches, token
+drives our own parts without Ray: the model, the step (trainer/components/step.py: micro-batches, token
 weighting, clipping, fused AdamW), token batches crossing from host memory in their compact
 dtype (devices.tokens_to_device), losses queued on the device and read at log steps
-(trainer/pending.py), FSDP2 sharding (trainer/parallel.py) and DCP checkpoints written,
-uploaded and restored as a run does (raytrain_lm/checkpoints/sharded.py, checkpoint.py, restore.py).
+(trainer/components/pending_values.py), FSDP2 sharding (trainer/distributed/parallel.py) and
+DCP checkpoints written, uploaded and restored as a run does (raytrain_lm/checkpoints/,
+trainer/checkpointing/restore.py).
 
 (a) GPT-2 124M, bf16, compiled: tokens/s and MFU of our step and of the plain loop
     (gpu_mfu.py: nanoGPT's recipe, one batch resident on the GPU), side by side, and the ratio;
@@ -51,19 +52,19 @@ from raytrain_lm.checkpoints import TrainState, upload_checkpoint
 from raytrain_lm.checkpoints.sharded import save_sharded_checkpoint
 from raytrain_lm.config import ModelConfig, TrainingConfig
 from raytrain_lm.models import build_model
-from raytrain_lm.trainer.collectives import FlagChannel
-from raytrain_lm.trainer.faults import SyncCounter
-from raytrain_lm.trainer.mesh import Layout
-from raytrain_lm.trainer.parallel import replicate_model
-from raytrain_lm.trainer.pending import PendingSteps
-from raytrain_lm.trainer.plan import BatchPlan, learning_rate
-from raytrain_lm.trainer.recompute import apply_activation_checkpointing
-from raytrain_lm.trainer.restore import restore_group
-from raytrain_lm.trainer.step import StepParts, step_seed, train_step
+from raytrain_lm.trainer.chaos import SyncCounter
+from raytrain_lm.trainer.checkpointing.restore import restore_group
+from raytrain_lm.trainer.components.batch_plan import BatchPlan, learning_rate
+from raytrain_lm.trainer.components.pending_values import PendingSteps
+from raytrain_lm.trainer.components.step import StepParts, step_seed, train_step
+from raytrain_lm.trainer.distributed.collectives import FlagChannel
+from raytrain_lm.trainer.distributed.mesh import Layout
+from raytrain_lm.trainer.distributed.parallel import replicate_model
+from raytrain_lm.trainer.distributed.recompute import apply_activation_checkpointing
 
 BUDGET_S = 360.0
 SEED = 1337
-WARMUP_STEPS = 3  # a group's first steps compile and autotune: not steady, as in trainer/loop.py
+WARMUP_STEPS = 3  # a group's first steps compile and autotune: not steady, as in trainer/entry.py
 SHAPES = {  # GPU sizes, then the dry run's
     "gpt2": {"arch": "gpt2", "n_layer": 12, "n_head": 12, "n_embd": 768, "block_size": 1024,
              "vocab_size": 50304},  # GPT-2's 50,257 padded to a multiple of 64
@@ -141,7 +142,7 @@ def synthetic_batches(
 
 
 class OurLoop:
-    """Our training step as the worker loop drives it (trainer/loop.py, `_take_step` and
+    """Our training step as the worker loop drives it (trainer/entry.py, `_take_step` and
     `_read_pending`): a seed and a learning rate per step, `train_step` on this rank's share,
     the loss and grad norm queued on the device, the stop flags shared, values read only at
     steps that log. Sharded (fsdp, hsdp) as the worker does it: its rank layout and meshes,

@@ -178,7 +178,7 @@ def part_b(runs: Runs, dry_run: bool) -> dict:
 def part_c(runs: Runs, dry_run: bool) -> dict:
     """The embedded demo config on the GPU: 50 steps, as two invocations (stop at 25, resume)."""
     from raytrain_lm.runs.journal import read_events
-    from raytrain_lm.trainer.faults import ENV_VAR
+    from raytrain_lm.trainer.chaos import ENV_VAR
 
     steps = 6 if dry_run else 50
     half = steps // 2

@@ -32,8 +32,8 @@ from raytrain_lm import devices
 from raytrain_lm.config import ModelConfig
 from raytrain_lm.model import GPT, GPTShape
 from raytrain_lm.models import build_model
-from raytrain_lm.trainer.mesh import Layout, build_meshes, plan_layout
-from raytrain_lm.trainer.parallel import shard_model
+from raytrain_lm.trainer.distributed.mesh import Layout, build_meshes, plan_layout
+from raytrain_lm.trainer.distributed.parallel import shard_model
 
 
 def synchronize(device: torch.device) -> None:
@@ -43,7 +43,7 @@ def synchronize(device: torch.device) -> None:
 
 def node_ids() -> list[str]:
     """Every rank's host, in rank order (a collective where there are several ranks): the nodes
-    the rank layout keeps shard and tensor-parallel groups inside (trainer/mesh.py)."""
+    the rank layout keeps shard and tensor-parallel groups inside (trainer/distributed/mesh.py)."""
     mine = socket.gethostname()
     if dist.get_world_size() == 1:
         return [mine]
@@ -68,7 +68,7 @@ def shard_over_mesh(
     layout = plan_layout(strategy, node_ids(), shard_size, tensor_parallel)
     data_mesh, tensor_mesh = build_meshes(layout, device.type)
     if tensor_mesh is not None:
-        from raytrain_lm.trainer.tensor_parallel import apply_tensor_parallel
+        from raytrain_lm.trainer.distributed.tensor_parallel import apply_tensor_parallel
 
         apply_tensor_parallel(model, tensor_mesh)
     shard_model(model, data_mesh, bf16, compile_blocks=compile_blocks)

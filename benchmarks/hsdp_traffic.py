@@ -2,7 +2,7 @@
 collectives, on 4 gloo CPU ranks that pretend to be 2 nodes of 2 workers (issue 31).
 
 The ranks sit on nodes a, b, a, b: the way Ray numbers workers without regard to nodes
-(ray#45799), so the node-by-node ordering of trainer/mesh.py decides where the hsdp groups
+(ray#45799), so the node-by-node ordering of trainer/distributed/mesh.py decides where the hsdp groups
 fall. Each strategy builds its model as the trainer does (`build_model`, `replicate_model` or
 `shard_model` over `build_meshes(plan_layout(...))`, fp32) and takes steps with the trainer's
 `train_step` (gradient clipping on, AdamW).
@@ -52,10 +52,10 @@ from raytrain_lm import devices
 from raytrain_lm.config import ModelConfig, TrainingConfig
 from raytrain_lm.models import build_model, parameter_count
 from raytrain_lm.runtime import free_port
-from raytrain_lm.trainer.mesh import build_meshes, plan_layout
-from raytrain_lm.trainer.parallel import replicate_model, shard_model
-from raytrain_lm.trainer.plan import BatchPlan
-from raytrain_lm.trainer.step import StepParts, train_step
+from raytrain_lm.trainer.components.batch_plan import BatchPlan
+from raytrain_lm.trainer.components.step import StepParts, train_step
+from raytrain_lm.trainer.distributed.mesh import build_meshes, plan_layout
+from raytrain_lm.trainer.distributed.parallel import replicate_model, shard_model
 
 NODES = ["a", "b", "a", "b"]  # each rank's node, interleaved as Ray may hand them out
 STRATEGIES = ("ddp", "fsdp", "hsdp")

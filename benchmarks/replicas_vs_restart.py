@@ -48,7 +48,7 @@ from raytrain_lm.clusters.multinode import (  # noqa: E402
 )
 from raytrain_lm.config import load_config  # noqa: E402
 from raytrain_lm.runs.journal import read_events  # noqa: E402
-from raytrain_lm.trainer import faults  # noqa: E402
+from raytrain_lm.trainer import chaos  # noqa: E402
 
 BATCH = 12
 
@@ -83,7 +83,7 @@ def incident_run(cluster: LocalCluster, workdir: Path, mode: str, args) -> dict:
         f"name={name}",
         f"training.max_steps={args.max_steps}",
     ]
-    os.environ[faults.ENV_VAR] = f"slow-steps:seconds={args.step_s}"
+    os.environ[chaos.ENV_VAR] = f"slow-steps:seconds={args.step_s}"
     run = Background(lambda: raytrain_lm.train(load_config(None, overrides), sample=False))
     first = wait_for_event(
         run_dir, lambda e: e["event"] in ("first_step", "replicas_changed"), 600, still_running=run
@@ -99,7 +99,7 @@ def incident_run(cluster: LocalCluster, workdir: Path, mode: str, args) -> dict:
     drained = cluster.drain_node(deadline_s=120)
     summary = run.wait(900)
     cluster.kill_node(drained)  # the cloud takes the machine at its deadline
-    del os.environ[faults.ENV_VAR]
+    del os.environ[chaos.ENV_VAR]
     (run_dir / "incident_times.json").write_text(json.dumps(times))
     events = read_events(run_dir)
     return {"mode": mode, "summary": summary, "times": times, "events": events, "t0": first["t"]}

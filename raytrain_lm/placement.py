@@ -74,7 +74,7 @@ def worker_resources(
 ) -> dict[str, Any]:
     """Keyword arguments for Ray Train's ScalingConfig beyond the worker counts. `market`:
     under scaling.capacity=spot_first, `spot`, or `on_demand` for spot and on-demand nodes
-    alike (trainer/deadline.py)."""
+    alike (trainer/components/spot_first.py)."""
     resources: dict[str, float] = {"CPU": scaling.cpus_per_worker, **scaling.worker_resources}
     if gpu:
         resources["GPU"] = scaling.gpus_per_worker
@@ -169,7 +169,7 @@ class OnDemandRequests:
     def _coordinator(self):
         import ray
 
-        # The driver made it (trainer/capacity.py), on the head: never make one here.
+        # The driver made it (trainer/driver/capacity.py), on the head: never make one here.
         return ray.get_actor(COORDINATOR, namespace=COORDINATOR)
 
     def request(self, count: int) -> None:

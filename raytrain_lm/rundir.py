@@ -14,7 +14,7 @@ per object, and a checkpoint's marker written last.
 - `heartbeat.json`: rank 0's progress, overwritten as it steps (raytrain_lm/runs/goodput.py);
 - `ledger/`: the sequence positions each rank consumed, one object per rank and interval;
 - `summary.json`: the figures of the finished run (driver);
-- `STOP`: a stop request from the driver, read by rank 0 (trainer/signals.py);
+- `STOP`: a stop request from the driver, read by rank 0 (trainer/components/stop_requests.py);
 - `checkpoint_manager_snapshot.json`: Ray Train's own list of reported checkpoints;
 - `lease/`: the claims of the driver that writes the run, one object each (runlease.py):
   while a run trains, a second run of its name is refused.

@@ -150,7 +150,7 @@ def _run_workers(
     from ray.train.torch import TorchConfig, TorchTrainer
     from ray.train.v2.api.config import LoggingConfig
 
-    from raytrain_lm.trainer.eval_loop import EvalSpec, eval_loop_per_worker
+    from raytrain_lm.trainer.eval_entry import EvalSpec, eval_loop_per_worker
 
     gpu = use_gpu(cfg.scaling)
     spec = EvalSpec(

@@ -117,8 +117,8 @@ def learned_run(ray_session, tmp_path_factory, shared_dirs) -> dict:
         "checkpoint.every_steps=20",
         "optim.lr=3e-3",
     ]
-    # Counting the host's reads of device values changes nothing else (trainer/faults.py).
-    from raytrain_lm.trainer.faults import ENV_VAR
+    # Counting the host's reads of device values changes nothing else (trainer/chaos.py).
+    from raytrain_lm.trainer.chaos import ENV_VAR
 
     os.environ[ENV_VAR] = "count-syncs"
     try:

@@ -1,4 +1,4 @@
-"""scaling.balance (trainer/balance.py): shares of the global batch by speed.
+"""scaling.balance (trainer/components/balance.py): shares of the global batch by speed.
 
 The arithmetic (an uneven split takes the equal split's steps) is in test_parallel.py; here
 the plan itself, and a real 2-worker run with one rank slowed to half speed."""
@@ -17,9 +17,14 @@ from raytrain_lm.data.ledger import read_ledger
 from raytrain_lm.data.stream import WorkerSlice
 from raytrain_lm.errors import UserError
 from raytrain_lm.runs.journal import read_events
-from raytrain_lm.trainer.balance import Speeds, per_type_metrics, replan_weights, type_weights
-from raytrain_lm.trainer.faults import ENV_VAR
-from raytrain_lm.trainer.plan import BatchPlan, split_by_weight
+from raytrain_lm.trainer.chaos import ENV_VAR
+from raytrain_lm.trainer.components.balance import (
+    Speeds,
+    per_type_metrics,
+    replan_weights,
+    type_weights,
+)
+from raytrain_lm.trainer.components.batch_plan import BatchPlan, split_by_weight
 
 
 def test_shares_follow_the_weights_in_whole_sequences():
@@ -129,7 +134,7 @@ def test_balance_settings_are_checked_up_front():
 
 
 STEPS, GROWN_AT = 16, 12
-# A simulated device (trainer/faults.py): 20 ms per sequence forward and 40 ms backward on rank
+# A simulated device (trainer/chaos.py): 20 ms per sequence forward and 40 ms backward on rank
 # 0, twice that on rank 1 (half speed), slept by the host as it waits for a GPU: 1.9 s per step
 # with equal shares, 1.3 s balanced. The host's own work in a forward is the same on both
 # ranks and pulls the measured ratio below 2:1: the simulated time must dwarf it, on a machine

@@ -20,7 +20,7 @@ from raytrain_lm.data.ledger import read_ledger
 from raytrain_lm.errors import UserError
 from raytrain_lm.rundir import RunDir
 from raytrain_lm.runs.journal import read_events
-from raytrain_lm.trainer import faults
+from raytrain_lm.trainer import chaos
 
 GLOBAL_BATCH = 8
 
@@ -53,7 +53,7 @@ def test_a_run_keeps_all_its_state_in_a_bucket(s3, tmp_path, monkeypatch):
         "checkpoint.every_steps=4",
         "checkpoint.keep_last=1",
     )
-    monkeypatch.setenv(faults.ENV_VAR, "kill-after-checkpoint:step=8:rank=0")
+    monkeypatch.setenv(chaos.ENV_VAR, "kill-after-checkpoint:step=8:rank=0")
     summary = raytrain_lm.train(load_config(None, overrides), sample=False)
 
     run = f"{bucket}/runs/cloud"
@@ -102,7 +102,7 @@ def test_a_bucket_outage_mid_run_is_waited_out(s3, tmp_path, monkeypatch):
         "training.eval_every=1000",
         "checkpoint.every_steps=10",
     )
-    monkeypatch.setenv(faults.ENV_VAR, "slow-steps:seconds=0.25")
+    monkeypatch.setenv(chaos.ENV_VAR, "slow-steps:seconds=0.25")
     run = f"{bucket}/runs/outage"
     outage = {}
 
@@ -118,7 +118,7 @@ def test_a_bucket_outage_mid_run_is_waited_out(s3, tmp_path, monkeypatch):
         time.sleep(8)
         s3.start()
         outage["to"] = time.time()
-        faults.stop_pacing(run)  # the rest of the run at full speed
+        chaos.stop_pacing(run)  # the rest of the run at full speed
 
     breaker = threading.Thread(target=break_the_bucket_mid_run, daemon=True)
     breaker.start()

@@ -23,7 +23,7 @@ from raytrain_lm.checkpoints import complete_checkpoints, read_state
 from raytrain_lm.clusters.multinode import Background, LocalCluster, segments, wait_for_event
 from raytrain_lm.config import load_config
 from raytrain_lm.data.ledger import read_ledger
-from raytrain_lm.trainer import faults
+from raytrain_lm.trainer import chaos
 
 pytestmark = pytest.mark.chaos
 
@@ -89,7 +89,7 @@ def test_node_loss_shrinks_a_sweep_trial_then_it_grows_back(
         "training.eval_every=25",
         "checkpoint.every_steps=25",
     ]
-    monkeypatch.setenv(faults.ENV_VAR, "slow-steps:seconds=0.3")
+    monkeypatch.setenv(chaos.ENV_VAR, "slow-steps:seconds=0.3")
     run = Background(lambda: raytrain_lm.sweep(sweep_file, overrides))
     trials = tmp_path / "runs" / "spot" / TRIALS_DIR
     deadline = time.time() + 600
@@ -118,7 +118,7 @@ def test_node_loss_shrinks_a_sweep_trial_then_it_grows_back(
         still_running=run,
     )
     assert grown["restored_step"] >= shrunk["restored_step"]
-    faults.stop_pacing(run_dir)  # the rest of the trial at full speed
+    chaos.stop_pacing(run_dir)  # the rest of the trial at full speed
 
     summary = run.wait(600)
     assert summary["trials"] == 1 and summary["errored"] == 0 and not summary["interrupted"]
@@ -157,7 +157,7 @@ def test_drain_writes_a_just_in_time_checkpoint_and_loses_no_step(
         "model.arch=llama",
         "parallel.strategy=hsdp",
     ]
-    monkeypatch.setenv(faults.ENV_VAR, "slow-steps:seconds=0.05")
+    monkeypatch.setenv(chaos.ENV_VAR, "slow-steps:seconds=0.05")
     run = Background(lambda: _train(overrides))
     wait_for_event(run_dir, lambda e: e["event"] == "first_step", 600, still_running=run)
     time.sleep(3)
@@ -185,7 +185,7 @@ def test_drain_writes_a_just_in_time_checkpoint_and_loses_no_step(
     # Well under the start timeout (here it takes ~30 s; a loaded CI machine is slower).
     assert first_step["t"] - notice["t"] < 300, first_step["t"] - notice["t"]
     cluster.kill_node(node)  # the cloud takes the machine at its deadline
-    faults.stop_pacing(run_dir)
+    chaos.stop_pacing(run_dir)
 
     summary = run.wait(600)
     assert summary["steps"] == steps

@@ -193,19 +193,19 @@ def test_a_run_that_spends_its_budget_checkpoints_ends_and_resumes_exactly(
     import raytrain_lm
     from raytrain_lm.data.ledger import read_ledger
     from raytrain_lm.runs.journal import read_events
-    from raytrain_lm.trainer import faults
+    from raytrain_lm.trainer import chaos
 
     common, straight = world_size_runs["common"], world_size_runs["reference"]
     priced = [*common, "name=budgeted", "scaling.num_workers=2", "fault.price_per_hour={cpu: 3600}",
               "fault.preemption_check_s=0.2"]  # fmt: skip
-    monkeypatch.setenv(faults.ENV_VAR, "slow-steps:seconds=0.5")
+    monkeypatch.setenv(chaos.ENV_VAR, "slow-steps:seconds=0.5")
     first = raytrain_lm.train(load_config(None, [*priced, "budget.max_usd=14"]), sample=False)
     assert first["stopped"] == "budget" and 1 <= first["steps"] < 12, first
     run_dir = world_size_runs["output_dir"] / "budgeted"
     (stop,) = [e for e in read_events(run_dir) if e["event"] == "stop"]
     assert stop["why"] == "budget" and stop["step"] == first["steps"]
     assert first["goodput"]["cost_total"] >= 14
-    monkeypatch.delenv(faults.ENV_VAR)
+    monkeypatch.delenv(chaos.ENV_VAR)
     with pytest.raises(UserError, match=r"has spent \$[0-9.,]+ of budget.max_usd=\$14.00: raise"):
         raytrain_lm.train(load_config(None, [*priced, "budget.max_usd=14"]), sample=False)
     done = raytrain_lm.train(load_config(None, [*priced, "budget.max_usd=1000"]), sample=False)

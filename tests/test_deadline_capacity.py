@@ -1,4 +1,4 @@
-"""scaling.capacity=spot_first (trainer/deadline.py): the uniform-progress rule, when it asks
+"""scaling.capacity=spot_first (trainer/components/spot_first.py): the uniform-progress rule, when it asks
 for on-demand nodes, when it moves the group onto them and back, and the placement of each
 phase. The run on the local autoscaling cluster is in test_jobs.py."""
 
@@ -10,7 +10,7 @@ from raytrain_lm.config import load_config
 from raytrain_lm.devices import price_per_hour
 from raytrain_lm.errors import UserError
 from raytrain_lm.placement import MARKER_AMOUNT, labels_match, worker_resources
-from raytrain_lm.trainer.deadline import (
+from raytrain_lm.trainer.components.spot_first import (
     CAPACITY,
     ON_DEMAND,
     SPOT,

@@ -1,4 +1,4 @@
-"""`parallel.sync=diloco` (trainer/diloco.py) on the session's Ray, with no incident: DiLoCo that
+"""`parallel.sync=diloco` (trainer/syncs/diloco.py) on the session's Ray, with no incident: DiLoCo that
 syncs every step with a plain outer step is every-step sync; with H=4, rounds of 4 steps, every
 position once, duties at round ends, and a quarter of the bytes per token; Streaming DiLoCo's
 commit units; and a Streaming DiLoCo group killed between two fragment syncs."""
@@ -18,9 +18,9 @@ from raytrain_lm.errors import UserError
 from raytrain_lm.models import build_model
 from raytrain_lm.runs.journal import read_events
 from raytrain_lm.runtime import ensure_ray
-from raytrain_lm.trainer import faults
-from raytrain_lm.trainer.diloco import DilocoWorker
-from raytrain_lm.trainer.diloco_parts import model_fragments, unit_schedule
+from raytrain_lm.trainer import chaos
+from raytrain_lm.trainer.syncs.diloco import DilocoWorker
+from raytrain_lm.trainer.syncs.diloco_parts import model_fragments, unit_schedule
 
 H = 4
 
@@ -171,7 +171,7 @@ def test_a_group_killed_between_syncs_loses_no_sequence_and_the_survivor_goes_on
         "checkpoint.every_steps=80",
         "fault.max_failures=-1",
     ]
-    monkeypatch.setenv(faults.ENV_VAR, "slow-steps:seconds=0.3+kill-in-round:step=11:rank=1")
+    monkeypatch.setenv(chaos.ENV_VAR, "slow-steps:seconds=0.3+kill-in-round:step=11:rank=1")
     # Ray started here, not in the run's thread: the processes a local Ray starts are killed
     # when the thread that started them ends (PR_SET_PDEATHSIG), and later tests use that Ray.
     ensure_ray(load_config(None, overrides).scaling)
@@ -186,7 +186,7 @@ def test_a_group_killed_between_syncs_loses_no_sequence_and_the_survivor_goes_on
         return event["pid"] != next(e["pid"] for e in starts if e["group"] == 1)
 
     wait_for_event(run_dir, group_1_replaced, 300, still_running=run)
-    faults.stop_pacing(run_dir)
+    chaos.stop_pacing(run_dir)
     summary = run.wait(600)
 
     assert summary["steps"] == 240 and not summary["stopped"]

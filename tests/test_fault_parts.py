@@ -27,8 +27,8 @@ from raytrain_lm.rundir import RunDir
 from raytrain_lm.runs.goodput import summarize
 from raytrain_lm.runs.journal import Heartbeat, append_event, close_previous_segment, read_events
 from raytrain_lm.runtime import check_schedulable
-from raytrain_lm.trainer import faults
-from raytrain_lm.trainer.plan import BatchPlan
+from raytrain_lm.trainer import chaos
+from raytrain_lm.trainer.components.batch_plan import BatchPlan
 
 pytestmark = pytest.mark.no_ray
 
@@ -156,31 +156,31 @@ def test_unschedulable_configs_are_refused_with_the_reason():
 
 
 def test_fault_spec_parsing():
-    assert faults.parse(None) is None
-    assert faults.parse("kill-in-checkpoint:step=8:rank=0") == faults.Fault(
+    assert chaos.parse(None) is None
+    assert chaos.parse("kill-in-checkpoint:step=8:rank=0") == chaos.Fault(
         "kill-in-checkpoint", step=8, rank=0
     )
-    assert faults.parse("slow-steps:seconds=0.05").seconds == 0.05
+    assert chaos.parse("slow-steps:seconds=0.05").seconds == 0.05
 
 
 def test_slow_steps_pace_until_the_run_directory_says_stop(tmp_path):
-    pacer = faults.Pacer(faults.parse("slow-steps:seconds=0.2"), RunDir(str(tmp_path)))
+    pacer = chaos.Pacer(chaos.parse("slow-steps:seconds=0.2"), RunDir(str(tmp_path)))
     started = time.perf_counter()
     pacer.pace(started)
     assert time.perf_counter() - started >= 0.2
-    faults.stop_pacing(tmp_path)
+    chaos.stop_pacing(tmp_path)
     pacer._next_check = 0.0  # as a second later
     started = time.perf_counter()
     pacer.pace(started)
     pacer.pace(started)
     assert pacer.seconds == 0.0 and time.perf_counter() - started < 0.2  # paced: 0.2 each
-    assert faults.Pacer(None, RunDir(str(tmp_path))).seconds == 0.0
+    assert chaos.Pacer(None, RunDir(str(tmp_path))).seconds == 0.0
 
 
 def test_watchdog_ends_a_stuck_worker():
     code = (
         "import time\n"
-        "from raytrain_lm.trainer.watchdog import StepWatchdog\n"
+        "from raytrain_lm.trainer.components.watchdog import StepWatchdog\n"
         "StepWatchdog(0.5).start()\n"
         "time.sleep(30)\n"
     )
@@ -229,7 +229,7 @@ def test_graceful_stop_requests_once_then_forces(tmp_path):
         "import os, signal, sys, time\n"
         "from pathlib import Path\n"
         "from raytrain_lm.rundir import RunDir\n"
-        "from raytrain_lm.trainer.stopping import GracefulStop, run_interruptibly\n"
+        "from raytrain_lm.trainer.driver.stopping import GracefulStop, run_interruptibly\n"
         "run_dir = RunDir(sys.argv[1])\n"
         "def work():\n"
         "    os.kill(os.getpid(), signal.SIGTERM)\n"
@@ -269,7 +269,7 @@ def test_worker_group_start_timeouts_are_logged_in_one_line(tmp_path):
 
     from ray.train.v2.api.exceptions import WorkerGroupError
 
-    from raytrain_lm.trainer.callbacks import CONTROLLER_LOGGER, FailureEvents
+    from raytrain_lm.trainer.driver.callbacks import CONTROLLER_LOGGER, FailureEvents
 
     pickle.loads(pickle.dumps(FailureEvents(str(tmp_path))))
     log, out = logging.getLogger(CONTROLLER_LOGGER), io.StringIO()
@@ -325,7 +325,7 @@ def test_after_ray_trains_controller_fails_the_run_starts_again_from_a_newer_che
 
     from ray.train.v2.api.exceptions import ControllerError
 
-    from raytrain_lm.trainer.launch import _start_again_after
+    from raytrain_lm.trainer.driver.launch import _start_again_after
 
     spec = SimpleNamespace(
         config=load_config(None, ["training.max_steps=10"]), run_dir=RunDir.coerce(tmp_path)

@@ -14,8 +14,8 @@ from packaging.version import Version
 
 from raytrain_lm import devices
 from raytrain_lm.llama import Llama, LlamaShape
-from raytrain_lm.trainer import faults
-from raytrain_lm.trainer.parallel import replicate_model
+from raytrain_lm.trainer import chaos
+from raytrain_lm.trainer.distributed.parallel import replicate_model
 
 pytestmark = pytest.mark.no_ray
 
@@ -85,14 +85,14 @@ def test_count_syncs_on_cuda_also_counts_torch_own(monkeypatch):
     synchronization, inside torch too) apart from our own reads; other warnings still show."""
     modes = []
     monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
-    for name in faults.SyncCounter.METHODS:  # the counter wraps these: undone after the test
+    for name in chaos.SyncCounter.METHODS:  # the counter wraps these: undone after the test
         monkeypatch.setattr(torch.Tensor, name, getattr(torch.Tensor, name))
     monkeypatch.setattr(warnings, "showwarning", warnings.showwarning)
     monkeypatch.setattr(warnings, "filters", list(warnings.filters))
-    counter = faults.sync_counter(faults.parse("count-syncs"), CUDA)
+    counter = chaos.sync_counter(chaos.parse("count-syncs"), CUDA)
     assert modes == ["warn"] and counter.counts_device
     for _ in range(2):  # the same source line twice: both count
-        warnings.warn(faults.SYNC_WARNING + " (Triggered internally)", UserWarning, stacklevel=1)
+        warnings.warn(chaos.SYNC_WARNING + " (Triggered internally)", UserWarning, stacklevel=1)
     counter.close_step(1)
     with pytest.warns(UserWarning, match="something else"):
         warnings.warn("something else", UserWarning, stacklevel=1)

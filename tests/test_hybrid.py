@@ -1,4 +1,4 @@
-"""Hybrid sharding (hsdp) and tensor parallelism: the rank layout (trainer/mesh.py), the
+"""Hybrid sharding (hsdp) and tensor parallelism: the rank layout (trainer/distributed/mesh.py), the
 strategy `auto` picks, and 4 gloo ranks outside Ray checked against one process
 (support/hybrid_check.py). The Ray Train path (a 2x2 run resized to 1x2 and back through its
 DCP checkpoints) is in test_training.py."""
@@ -14,8 +14,8 @@ from support.gloo_ranks import run_ranks
 
 from raytrain_lm.config import ParallelConfig
 from raytrain_lm.errors import UserError
-from raytrain_lm.trainer.mesh import node_contiguous_order, plan_layout
-from raytrain_lm.trainer.parallel import MemoryEstimate, choose_layout, choose_strategy
+from raytrain_lm.trainer.distributed.mesh import node_contiguous_order, plan_layout
+from raytrain_lm.trainer.distributed.parallel import MemoryEstimate, choose_layout, choose_strategy
 
 GIB = 1 << 30
 

@@ -12,7 +12,7 @@ from raytrain_lm.clusters.multinode import segments
 from raytrain_lm.config import load_config
 from raytrain_lm.data.ledger import read_ledger
 from raytrain_lm.runs.journal import read_events
-from raytrain_lm.trainer.checkpoint_interval import interval_steps
+from raytrain_lm.trainer.checkpointing.checkpoint_interval import interval_steps
 
 STEPS, BATCH = 8, 8
 

@@ -234,7 +234,7 @@ def test_a_second_train_of_a_running_name_is_refused_and_the_first_finishes_unto
     first finishes with one MLflow point per step and its checkpoints, as if alone."""
     from raytrain_lm.checkpoints import complete_checkpoints, read_state
     from raytrain_lm.runs.journal import read_events
-    from raytrain_lm.trainer import faults
+    from raytrain_lm.trainer import chaos
 
     overrides = [
         *tiny_overrides,
@@ -245,13 +245,13 @@ def test_a_second_train_of_a_running_name_is_refused_and_the_first_finishes_unto
         "checkpoint.every_steps=1",
     ]
     run_dir = tmp_path / "runs" / "twice"
-    monkeypatch.setenv(faults.ENV_VAR, "slow-steps:seconds=3600")  # held until released
+    monkeypatch.setenv(chaos.ENV_VAR, "slow-steps:seconds=3600")  # held until released
     first = Background(lambda: raytrain_lm.train(load_config(None, overrides), sample=False))
     wait_for_event(run_dir, lambda e: e["event"] == "segment_start", 600, still_running=first)
     kept = ("config.yaml", "tracking.json", "tokenizer.json")
     written = {name: (run_dir / name).read_bytes() for name in kept}
 
-    env = {k: v for k, v in os.environ.items() if k != faults.ENV_VAR}
+    env = {k: v for k, v in os.environ.items() if k != chaos.ENV_VAR}
     env["RAY_ADDRESS"] = ray_session.get_runtime_context().gcs_address  # were it to train
     command = [sys.executable, "-m", "raytrain_lm.cli", "train", *[f"--set={o}" for o in overrides]]
     second = subprocess.run(
@@ -266,7 +266,7 @@ def test_a_second_train_of_a_running_name_is_refused_and_the_first_finishes_unto
     assert {name: (run_dir / name).read_bytes() for name in kept} == written
     assert [e["event"] for e in read_events(run_dir)].count("job_start") == 1
 
-    faults.stop_pacing(run_dir)
+    chaos.stop_pacing(run_dir)
     summary = first.wait(600)
     assert summary["steps"] == 2 and not summary["stopped"]
     assert {name: (run_dir / name).read_bytes() for name in kept} == written

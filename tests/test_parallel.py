@@ -1,4 +1,4 @@
-"""Parallel strategies (trainer/parallel.py) and sharded checkpoints (checkpoints/sharded.py), on
+"""Parallel strategies (trainer/distributed/parallel.py) and sharded checkpoints (checkpoints/sharded.py), on
 2 gloo ranks outside Ray: the components themselves. The Ray Train path (resizes through
 sharded checkpoints) is in test_training.py."""
 
@@ -14,7 +14,7 @@ from support.gloo_ranks import run_ranks
 
 from raytrain_lm.checkpoints import file_listing
 from raytrain_lm.checkpoints.sharded import consolidated_weights, is_sharded_checkpoint
-from raytrain_lm.trainer.parallel import MemoryEstimate, check_fits, choose_strategy
+from raytrain_lm.trainer.distributed.parallel import MemoryEstimate, check_fits, choose_strategy
 
 
 @pytest.fixture(scope="module")

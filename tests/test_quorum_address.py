@@ -1,4 +1,4 @@
-"""The addresses a replica group advertises (trainer/quorum.py): where the hostname resolves
+"""The addresses a replica group advertises (trainer/groups/quorum.py): where the hostname resolves
 to loopback (`vm` here, 127.0.1.1 on many images), groups on other nodes must be given the
 Ray node IPs instead. No Ray is started: its two look-ups are replaced."""
 
@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from raytrain_lm.trainer import quorum
-from raytrain_lm.trainer.quorum import (
+from raytrain_lm.trainer.groups import quorum
+from raytrain_lm.trainer.groups.quorum import (
     NodeAddresses,
     interface_with,
     reachable_lighthouse,

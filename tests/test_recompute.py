@@ -1,4 +1,4 @@
-"""Activation checkpointing (trainer/recompute.py): same loss and gradients, less memory."""
+"""Activation checkpointing (trainer/distributed/recompute.py): same loss and gradients, less memory."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 
 from raytrain_lm.llama import Llama, LlamaShape
 from raytrain_lm.model import GPT, GPTShape
-from raytrain_lm.trainer.recompute import apply_activation_checkpointing
+from raytrain_lm.trainer.distributed.recompute import apply_activation_checkpointing
 
 MODES = ("none", "full", "selective")
 ARCHS = {

@@ -1,4 +1,4 @@
-"""ReplaceWhenPlaceable (trainer/replica_placement.py) decides from Ray Train's poll what the
+"""ReplaceWhenPlaceable (trainer/driver/replica_placement.py) decides from Ray Train's poll what the
 controller may act on: checked here against Ray Train 2.60's own poll and status types, with
 a stand-in for the worker group and for the cluster's state; the drill in test_replicas.py
 runs it on a real cluster. And the Ray Train internals it uses are still there."""
@@ -14,7 +14,7 @@ from ray.train.v2._internal.exceptions import WorkerHealthCheckFailedError
 from ray.train.v2._internal.execution.worker_group.poll import WorkerGroupPollStatus, WorkerStatus
 
 from raytrain_lm.runs.journal import read_events
-from raytrain_lm.trainer.replica_placement import ClusterView, ReplaceWhenPlaceable
+from raytrain_lm.trainer.driver.replica_placement import ClusterView, ReplaceWhenPlaceable
 
 pytestmark = pytest.mark.no_ray
 

@@ -1,4 +1,4 @@
-"""Replica groups (`scaling.fault_tolerance=replicas`, trainer/replicas.py) on a local
+"""Replica groups (`scaling.fault_tolerance=replicas`, trainer/groups/replicas.py) on a local
 multi-node Ray: nodes killed, added and drained, a group killed while it heals, the Lighthouse
 lost, too few groups; every sequence once, and every committed step's loss equal to an
 uninterrupted run's (the arithmetic of exactly-once: test_replicas_shares.py)."""
@@ -18,7 +18,7 @@ from raytrain_lm.config import load_config
 from raytrain_lm.data.ledger import read_ledger
 from raytrain_lm.errors import UserError
 from raytrain_lm.runs.journal import read_events
-from raytrain_lm.trainer import faults
+from raytrain_lm.trainer import chaos
 
 pytestmark = pytest.mark.chaos
 
@@ -120,7 +120,7 @@ def test_groups_train_on_through_loss_join_heal_kill_and_drain(
     # it: the replacement of the replacement heals. Paced so that the incidents, however slowly a
     # busy machine starts nodes and workers, come long before the last step.
     monkeypatch.setenv(
-        faults.ENV_VAR,
+        chaos.ENV_VAR,
         "slow-steps:seconds=0.4+kill-while-healing:step=20:rank=2+kill-chief-after-read",
     )
     run = Background(lambda: raytrain_lm.train(load_config(None, overrides), sample=False))
@@ -147,7 +147,7 @@ def test_groups_train_on_through_loss_join_heal_kill_and_drain(
 
     # 3. the chief dies between two flushes of its metrics, at a checkpoint step before its
     # ledger and checkpoint; its slot is free on a live node
-    faults.arm_chief_kill(run_dir, at_multiple_of=CHECKPOINT_EVERY)
+    chaos.arm_chief_kill(run_dir, at_multiple_of=CHECKPOINT_EVERY)
     lost_chief = wait_for_event(run_dir, _taking_part(1, held["t"]), 120, still_running=run)
 
     # 4. meanwhile capacity comes back for the group that waited: both are replaced
@@ -157,7 +157,7 @@ def test_groups_train_on_through_loss_join_heal_kill_and_drain(
         still_running=run,
     )  # fmt: skip
     regrown = wait_for_event(run_dir, _taking_part(3, released["t"]), 600, still_running=run)
-    faults.stop_pacing(run_dir)
+    chaos.stop_pacing(run_dir)
     summary = run.wait(600)
 
     assert summary["steps"] == DRILL_STEPS and not summary["stopped"]
@@ -226,7 +226,7 @@ def test_lighthouse_lost_then_every_group_lost_restart_from_checkpoints(
 
     run_dir = tmp_path / "runs" / "lost"
     overrides = [*replica_overrides, "name=lost"]
-    monkeypatch.setenv(faults.ENV_VAR, "slow-steps:seconds=0.1")
+    monkeypatch.setenv(chaos.ENV_VAR, "slow-steps:seconds=0.1")
     run = Background(lambda: raytrain_lm.train(load_config(None, overrides), sample=False))
     wait_for_event(run_dir, _both_groups_stepped, 300, still_running=run)
     (lighthouse,) = list_actors(
@@ -247,7 +247,7 @@ def test_lighthouse_lost_then_every_group_lost_restart_from_checkpoints(
     killed_at = time.time()
     cluster.kill_node()
     cluster.kill_node()
-    faults.stop_pacing(run_dir)  # no group is left to pace: the restored ones go at full speed
+    chaos.stop_pacing(run_dir)  # no group is left to pace: the restored ones go at full speed
     cluster.add_node()
     cluster.add_node()
     restored = wait_for_event(
@@ -274,7 +274,7 @@ def test_too_few_groups_wait_then_say_why(cluster, replica_overrides, tmp_path, 
         "replicas.min_workers_wait_s=10",
     ]
     run_dir = tmp_path / "runs" / "few"
-    monkeypatch.setenv(faults.ENV_VAR, "slow-steps:seconds=0.1")
+    monkeypatch.setenv(chaos.ENV_VAR, "slow-steps:seconds=0.1")
     run = Background(lambda: raytrain_lm.train(load_config(None, overrides), sample=False))
     _wait_for_checkpoint_after(run_dir, 0, run)
     killed_at = time.time()
@@ -308,7 +308,7 @@ def test_diloco_plans_a_drained_group_out_of_the_next_round(
         "diloco.sync_every=4",
         f"training.max_steps={steps}",
     ]
-    monkeypatch.setenv(faults.ENV_VAR, "slow-steps:seconds=0.3")
+    monkeypatch.setenv(chaos.ENV_VAR, "slow-steps:seconds=0.3")
     run = Background(lambda: raytrain_lm.train(load_config(None, overrides), sample=False))
     wait_for_event(run_dir, _both_groups_stepped, 300, still_running=run)
     drained = cluster.drain_node(deadline_s=120)
@@ -316,7 +316,7 @@ def test_diloco_plans_a_drained_group_out_of_the_next_round(
         left = wait_for_event(
             run_dir, lambda e: e["event"] == "replica_drained", 60, still_running=run
         )
-        faults.stop_pacing(run_dir)
+        chaos.stop_pacing(run_dir)
         summary = run.wait(600)
     finally:  # the cloud takes the machine at its deadline; the next tests need its slot
         cluster.kill_node(drained)

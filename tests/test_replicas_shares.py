@@ -1,4 +1,4 @@
-"""The arithmetic of exactly-once with replica groups (trainer/replicas.py), without Ray:
+"""The arithmetic of exactly-once with replica groups (trainer/groups/replicas.py), without Ray:
 whoever takes part in a step, its positions are taken once; and what replicas refuses."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import pytest
 
 from raytrain_lm.config import TrainingConfig, load_config
 from raytrain_lm.errors import UserError
-from raytrain_lm.trainer.plan import BatchPlan
-from raytrain_lm.trainer.roster import check_step_taken, position_checksum
+from raytrain_lm.trainer.components.batch_plan import BatchPlan
+from raytrain_lm.trainer.groups.roster import check_step_taken, position_checksum
 
 pytestmark = pytest.mark.no_ray
 
@@ -88,8 +88,8 @@ def test_the_participants_types_and_prices_ride_in_the_steps_sum(kinds):
     """Each participant writes its accelerator type and price into its own slots of the
     step's summed values: whoever is chief reads every participant's type, in participating
     rank order, and what they cost together."""
-    from raytrain_lm.trainer.balance import per_type_metrics
-    from raytrain_lm.trainer.roster import read_roster, roster_slots
+    from raytrain_lm.trainer.components.balance import per_type_metrics
+    from raytrain_lm.trainer.groups.roster import read_roster, roster_slots
 
     prices = [1.5 * (p + 1) for p in range(len(kinds))]
     slots = [roster_slots(p, len(kinds), kind, prices[p]) for p, kind in enumerate(kinds)]

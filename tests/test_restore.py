@@ -1,4 +1,4 @@
-"""Restoring with a slow rank 0 (trainer/restore.py) and the interface gloo binds to
+"""Restoring with a slow rank 0 (trainer/checkpointing/restore.py) and the interface gloo binds to
 (collectives.pin_gloo_interface), on 2 gloo ranks outside Ray: support/restore_check.py."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 from support.restore_check import COLLECTIVE_TIMEOUT_S, SLOW_S, STEP
 
 from raytrain_lm.runtime import free_port
-from raytrain_lm.trainer.collectives import (
+from raytrain_lm.trainer.distributed.collectives import (
     GLOO_INTERFACE_ENV,
     gloo_interface_for,
     pin_gloo_interface,

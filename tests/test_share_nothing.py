@@ -21,7 +21,7 @@ from raytrain_lm.clusters.multinode import SLOT, Background, LocalCluster, wait_
 from raytrain_lm.config import load_config
 from raytrain_lm.data.ledger import read_ledger
 from raytrain_lm.errors import UserError
-from raytrain_lm.trainer import faults
+from raytrain_lm.trainer import chaos
 
 pytestmark = [
     pytest.mark.chaos,
@@ -87,7 +87,7 @@ def test_isolated_nodes_train_from_a_bucket_and_refuse_a_local_folder(
         f"training.max_steps={steps}",
         "checkpoint.every_steps=10",
     ]
-    monkeypatch.setenv(faults.ENV_VAR, "slow-steps:seconds=0.1")
+    monkeypatch.setenv(chaos.ENV_VAR, "slow-steps:seconds=0.1")
     training = Background(lambda: raytrain_lm.train(load_config(None, overrides), sample=False))
     wait_for_event(
         run,
@@ -107,7 +107,7 @@ def test_isolated_nodes_train_from_a_bucket_and_refuse_a_local_folder(
         still_running=training,
     )
     assert shrunk["restored_step"] >= 10
-    faults.stop_pacing(run)  # the rest at full speed
+    chaos.stop_pacing(run)  # the rest at full speed
 
     summary = training.wait(900)
     assert summary["steps"] == steps

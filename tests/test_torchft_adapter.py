@@ -1,4 +1,4 @@
-"""torchft at arm's length (raytrain_lm/trainer/torchft_adapter.py): the private attributes we
+"""torchft at arm's length (raytrain_lm/trainer/groups/torchft_adapter.py): the private attributes we
 use are still there, on a real Manager (with a real Lighthouse and store) and a real DiLoCo;
 and a torchft without them fails with a message that names them, not an AttributeError deep in
 a step."""
@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from raytrain_lm.trainer import torchft_adapter
+from raytrain_lm.trainer.groups import torchft_adapter
 
 pytestmark = pytest.mark.no_ray
 

@@ -20,7 +20,7 @@ from raytrain_lm.errors import UserError
 from raytrain_lm.redaction import REDACTED, looks_secret, redact
 from raytrain_lm.runtime import free_port
 from raytrain_lm.tracking.mlflow_tracker import MLflowTracker
-from raytrain_lm.trainer import faults
+from raytrain_lm.trainer import chaos
 
 
 @pytest.mark.parametrize(
@@ -212,11 +212,11 @@ def test_tracker_buffers_while_the_server_is_down(server):
 def test_a_chief_that_hands_over_stores_its_steps_first(server):
     """A replica groups' chief logs step 2 while the store is away, so the row waits out the
     tracker's backoff. The store comes back and a group that joined becomes chief: as the old
-    chief takes its new place it stores what it logged (trainer/replicas.py), before the new
+    chief takes its new place it stores what it logged (trainer/groups/replicas.py), before the new
     chief logs the steps the store lacks, so no step is logged twice."""
     from types import SimpleNamespace
 
-    from raytrain_lm.trainer.replicas import ReplicaWorker
+    from raytrain_lm.trainer.groups.replicas import ReplicaWorker
 
     old = MLflowTracker.start(server.uri, "handover", "chief", None)
     new = MLflowTracker.start(server.uri, "handover", "chief", old.run_id)
@@ -279,7 +279,7 @@ def test_training_run_survives_a_tracking_outage(
     time.sleep(8)  # several steps and a checkpoint flush with nowhere to send metrics
     assert thread.is_alive(), done
     server.start()
-    faults.stop_pacing(tmp_path / "runs" / "outage")  # the rest of the run at full speed
+    chaos.stop_pacing(tmp_path / "runs" / "outage")  # the rest of the run at full speed
     thread.join(timeout=300)
     assert "error" not in done, done.get("error")
     summary = done["summary"]

@@ -176,7 +176,7 @@ def test_resume_is_bit_for_bit(ray_session, tiny_overrides, tmp_path, monkeypatc
     from raytrain_lm.checkpoints import complete_checkpoints
     from raytrain_lm.data.ledger import read_ledger
     from raytrain_lm.runs.journal import Heartbeat, read_events
-    from raytrain_lm.trainer import faults
+    from raytrain_lm.trainer import chaos
 
     common = [
         *tiny_overrides,
@@ -199,7 +199,7 @@ def test_resume_is_bit_for_bit(ray_session, tiny_overrides, tmp_path, monkeypatc
             time.sleep(0.05)
 
     # Paced so that the stop, asked for at step 2, lands before step 8 on a loaded machine too.
-    monkeypatch.setenv(faults.ENV_VAR, "slow-steps:seconds=0.6")
+    monkeypatch.setenv(chaos.ENV_VAR, "slow-steps:seconds=0.6")
     threading.Thread(target=stop_after_two_steps, daemon=True).start()
     first = _run([*common, "name=resumed", "fault.preemption_check_s=0.3"])
     assert first["stopped"] and 2 <= first["steps"] < 8, first
@@ -216,7 +216,7 @@ def test_resume_is_bit_for_bit(ray_session, tiny_overrides, tmp_path, monkeypatc
     with open(partial / "model.safetensors", "r+b") as model_file:
         model_file.truncate(100)
 
-    monkeypatch.setenv(faults.ENV_VAR, "kill-in-checkpoint:step=8:rank=0")
+    monkeypatch.setenv(chaos.ENV_VAR, "kill-in-checkpoint:step=8:rank=0")
     resumed = _run([*common, "name=resumed"])
     assert (run_dir / "fault-fired-kill-in-checkpoint-8-0").exists()
     assert resumed["steps"] == 12 and resumed["mlflow_run_id"] == first["mlflow_run_id"]

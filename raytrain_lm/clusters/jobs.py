@@ -21,8 +21,8 @@ from urllib.parse import urlparse
 
 from raytrain_lm.clusters.autoscaling import read_state
 from raytrain_lm.errors import UserError
-from raytrain_lm.trainer.faults import ENV_VAR as FAULT_ENV_VAR
-from raytrain_lm.trainer.stopping import STOP_ACKNOWLEDGED
+from raytrain_lm.trainer.chaos import ENV_VAR as FAULT_ENV_VAR
+from raytrain_lm.trainer.driver.stopping import STOP_ACKNOWLEDGED
 
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
 # Ray refuses uploads over 100 MiB; datasets, runs and environments are the usual culprits.
@@ -258,7 +258,7 @@ def submit(
                         "RAY_JOB_STOP_WAIT_TIME_S": str(
                             math.ceil(cfg.fault.stop_timeout_s + STOP_MARGIN_S)
                         ),
-                        # Chaos tests' injected faults (trainer/faults.py) travel with the job.
+                        # Chaos tests' injected faults (trainer/chaos.py) travel with the job.
                         **{k: v for k, v in os.environ.items() if k == FAULT_ENV_VAR},
                     },
                 },

@@ -2,7 +2,7 @@
 
 Components receive only their own section (`build_model(cfg.model)`, `prepare(cfg.data)`,
 `BatchPlan.derive(cfg.training)`, `ensure_ray(cfg.scaling)`, ...); only the orchestrators that
-wire them together (the driver in trainer/launch.py, the worker loop, the sweep driver) hold
+wire them together (the driver in trainer/driver/launch.py, the worker loop, the sweep driver) hold
 the whole tree. The defaults below *are* the embedded demo: `raytrain-lm train` with no
 arguments trains on them.
 """

@@ -1,4 +1,4 @@
-"""What a run may spend and by when it should be done (trainer/budget.py, docs/cost.md)."""
+"""What a run may spend and by when it should be done (trainer/components/budget.py, docs/cost.md)."""
 
 from __future__ import annotations
 

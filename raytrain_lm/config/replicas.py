@@ -1,6 +1,6 @@
 """The `replicas` section: the timings of replica groups (`scaling.fault_tolerance=replicas`,
-trainer/replicas.py), which keep stepping while a group is lost, replaced or drained; and the
-`diloco` section: how they train over slow links with `parallel.sync=diloco` (trainer/diloco.py).
+trainer/groups/replicas.py), which keep stepping while a group is lost, replaced or drained; and the
+`diloco` section: how they train over slow links with `parallel.sync=diloco` (trainer/syncs/diloco.py).
 """
 
 from __future__ import annotations

@@ -64,7 +64,7 @@ class TrainingConfig(_Section):
 
 
 class ParallelConfig(_Section):
-    """How the model is spread over the workers (trainer/parallel.py; docs/parallelism.md)."""
+    """How the model is spread over the workers (trainer/distributed/parallel.py; docs/parallelism.md)."""
 
     strategy: Literal["ddp", "fsdp", "hsdp", "auto"] = Field(
         "ddp",

@@ -71,7 +71,7 @@ class Estimate:
 
 
 def strategy_for(params: int, workers: int, memory_gib: float, per_node: int) -> str | None:
-    """`parallel.strategy=auto`'s choice (trainer/parallel.py) at 60 % of a device, or None
+    """`parallel.strategy=auto`'s choice (trainer/distributed/parallel.py) at 60 % of a device, or None
     when even fsdp cannot hold the state."""
     budget = 0.6 * memory_gib * 2**30
     state = STATE_BYTES_PER_PARAM * params

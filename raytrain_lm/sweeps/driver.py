@@ -44,7 +44,7 @@ from raytrain_lm.sweeps.search import (
 )
 from raytrain_lm.sweeps.spec import Sweep
 from raytrain_lm.sweeps.trial import METRIC, run_trial
-from raytrain_lm.trainer import faults
+from raytrain_lm.trainer import chaos
 
 
 def connect_ray(sweep: Sweep, base_cfg: RunConfig) -> tuple[bool, int]:
@@ -66,7 +66,7 @@ def run_sweep(sweep: Sweep) -> dict[str, Any]:
     A `UserError` that failed a trial (raised in its actor, its Train workers or a Ray task
     of theirs) is raised here as itself, once every run is settled and the report written.
     """
-    from raytrain_lm.trainer.launch import default_ray_env  # torch: only when a sweep runs
+    from raytrain_lm.trainer.driver.launch import default_ray_env  # torch: only when a sweep runs
 
     base_cfg = RunConfig.model_validate(sweep.base)
     default_ray_env()
@@ -99,7 +99,7 @@ def run_sweep(sweep: Sweep) -> dict[str, Any]:
         "working_dir": os.getcwd(),
         "parent_run_id": parent.run_id,
         "git_commit": git_commit,
-        "fault": os.environ.get(faults.ENV_VAR),
+        "fault": os.environ.get(chaos.ENV_VAR),
         "pbt_mutations": list(sweep.spec.scheduler.hyperparam_mutations)
         if sweep.spec.scheduler.kind == "pbt"
         else [],

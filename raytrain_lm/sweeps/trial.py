@@ -35,10 +35,10 @@ from raytrain_lm.runlease import TRIAL_PATIENCE_S, RunLease
 from raytrain_lm.storage import OUTAGE_RETRY_S, Location, filesystem, is_uri, join, retrying
 from raytrain_lm.sweeps.record import record_start
 from raytrain_lm.sweeps.runs import TAG_PBT_DONOR, TAG_PBT_VALUES, TAG_SWEEP, TAG_TRIAL
-from raytrain_lm.trainer import faults
-from raytrain_lm.trainer.chief_uploads import POINTER_FILE
+from raytrain_lm.trainer import chaos
+from raytrain_lm.trainer.checkpointing.chief_uploads import POINTER_FILE
 
-METRIC = "val_loss"  # what Ray Train reports (loop.py); ranked low to high
+METRIC = "val_loss"  # what Ray Train reports (ray_side.py); ranked low to high
 TIME_ATTR = "step"  # survives restarts, unlike Tune's training_iteration
 
 
@@ -191,8 +191,8 @@ def run_trial(values: dict[str, Any], context: dict[str, Any]) -> None:
 
 def _run_trial(values: dict[str, Any], context: dict[str, Any], lease: RunLease) -> None:
     # torch and the whole trainer: only where a trial runs
-    from raytrain_lm.trainer.launch import default_ray_env
-    from raytrain_lm.trainer.launch import train as launch_train
+    from raytrain_lm.trainer.driver.launch import default_ray_env
+    from raytrain_lm.trainer.driver.launch import train as launch_train
 
     trial_id = tune.get_context().get_trial_id()
     name = trial_run_name(context["name"], trial_id)
@@ -210,7 +210,7 @@ def _run_trial(values: dict[str, Any], context: dict[str, Any], lease: RunLease)
     if context.get("fault"):
         # Fault injection reaches trials the way it reaches `train`: through the environment
         # of the process that launches the Train run, which here is the trial's actor.
-        os.environ[faults.ENV_VAR] = context["fault"]
+        os.environ[chaos.ENV_VAR] = context["fault"]
     record_start(
         Location(context["trials_dir"]).parent,
         name,

@@ -115,7 +115,7 @@ class MLflowTracker(BufferedSender):
     def stored_through(self) -> int:
         """The highest step S such that every metric logged so far at a step up to S is in
         the store (-1: none): what a replica groups' chief tells the others they may forget
-        (trainer/quorum.py's ChiefTracker)."""
+        (trainer/groups/quorum.py's ChiefTracker)."""
         with self._lock:
             waiting = [m.step for m in (*self._pending, *self._unless_stored)]
             return min(waiting) - 1 if waiting else self._logged_through

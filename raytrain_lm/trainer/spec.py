@@ -7,7 +7,7 @@ from typing import Any
 
 from raytrain_lm.config import RunConfig
 from raytrain_lm.rundir import RunDir
-from raytrain_lm.trainer.faults import Fault, Faults
+from raytrain_lm.trainer.chaos import Fault, Faults
 
 
 @dataclass(frozen=True)
@@ -25,9 +25,9 @@ class WorkerSpec:
     expect_checkpoint: bool  # the run checkpointed before: starting at step 0 would be wrong
     read_cpus: float  # CPUs each Ray Data read task of this worker's stream asks for
     checkpoint_strategy: str | None = None  # the strategy its checkpoints were saved with
-    fault: Fault | Faults | None = None  # fault injection for chaos tests (trainer/faults.py)
+    fault: Fault | Faults | None = None  # fault injection for chaos tests (trainer/chaos.py)
     # A sweep trial's queue to Tune (sweeps/trial.py), for the replica groups' chief: Ray
     # Train's reports, which the trial's callback forwards otherwise, wait for every worker.
     reports: Any = None
-    # scaling.capacity=spot_first: where this group may go (trainer/deadline.py), set by fit.py
+    # scaling.capacity=spot_first: where this group may go (trainer/components/spot_first.py), set by fit.py
     market: str = "spot"

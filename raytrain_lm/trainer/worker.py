@@ -2,10 +2,10 @@
 evaluation, checkpoints, the stop and spot-notice protocol) declared in one table (cadence.py).
 
 Pure PyTorch and files: what it needs of Ray Train (its device, the group's nodes and types,
-spot notices, reporting checkpoints) it asks of a `RaySide` (loop.py, the one place that calls
-Ray Train's per-worker API). It drives the parts: one optimizer step (step.py), validation
-(evaluation.py), checkpoint contents (checkpoint.py), restoring (restore.py), the stop and
-preemption protocol (signals.py), goodput events (goodput.py). Each part gets only the
+spot notices, reporting checkpoints) it asks of a `RaySide` (ray_side.py, with entry.py the one
+place that calls Ray Train's per-worker API). It drives the parts: one optimizer step
+(step.py), validation (evaluation.py), checkpoint contents (raytrain_lm/checkpoints),
+restoring (restore.py), the stop and preemption protocol (stop_requests.py), goodput events (goodput.py). Each part gets only the
 settings it needs. `scaling.fault_tolerance=replicas` runs `ReplicaWorker` (replicas.py),
 which changes how a step's participants are found, not this loop.
 """
@@ -39,37 +39,43 @@ from raytrain_lm.runs.journal import (
 from raytrain_lm.tokenization import load_tokenizer
 from raytrain_lm.tracking.interface import NullTracker, Tracker
 from raytrain_lm.tracking.mlflow_tracker import MLflowTracker
-from raytrain_lm.trainer import faults, signals
-from raytrain_lm.trainer.balance import (
+from raytrain_lm.trainer import chaos
+from raytrain_lm.trainer.checkpointing.checkpoint_interval import observed_interruptions
+from raytrain_lm.trainer.checkpointing.restore import restore_group
+from raytrain_lm.trainer.components import stop_requests
+from raytrain_lm.trainer.components.balance import (
     MEASURE_STEPS,
     ForwardClock,
     per_type_metrics,
     type_weights,
 )
-from raytrain_lm.trainer.budget import BudgetGuard
-from raytrain_lm.trainer.cadence import Cadences, Flags
-from raytrain_lm.trainer.checkpoint_interval import observed_interruptions
-from raytrain_lm.trainer.collectives import FlagChannel, all_reduce
-from raytrain_lm.trainer.endings import Endings
-from raytrain_lm.trainer.evaluation import Evaluator
-from raytrain_lm.trainer.mesh import Layout
-from raytrain_lm.trainer.parallel import (
+from raytrain_lm.trainer.components.batch_plan import BatchPlan, end_step, learning_rate
+from raytrain_lm.trainer.components.budget import BudgetGuard
+from raytrain_lm.trainer.components.cadence import Cadences, Flags
+from raytrain_lm.trainer.components.evaluation import Evaluator
+from raytrain_lm.trainer.components.group_endings import Endings
+from raytrain_lm.trainer.components.pending_values import (
+    WARMUP_STEPS,
+    Interval,
+    PendingSteps,
+    Throughput,
+)
+from raytrain_lm.trainer.components.rebalancing import Rebalancing
+from raytrain_lm.trainer.components.step import StepParts, step_seed, train_step
+from raytrain_lm.trainer.components.watchdog import StepWatchdog
+from raytrain_lm.trainer.distributed.collectives import FlagChannel, all_reduce
+from raytrain_lm.trainer.distributed.mesh import Layout
+from raytrain_lm.trainer.distributed.parallel import (
     apply_layout,
     choose_layout,
     device_memory_bytes,
     replicate_model,
 )
-from raytrain_lm.trainer.pending import WARMUP_STEPS, Interval, PendingSteps, Throughput
-from raytrain_lm.trainer.plan import BatchPlan, end_step, learning_rate
 from raytrain_lm.trainer.progress import ProgressBar, announce
-from raytrain_lm.trainer.rebalancing import Rebalancing
-from raytrain_lm.trainer.restore import restore_group
 from raytrain_lm.trainer.spec import WorkerSpec
-from raytrain_lm.trainer.step import StepParts, step_seed, train_step
-from raytrain_lm.trainer.watchdog import StepWatchdog
 
 if TYPE_CHECKING:
-    from raytrain_lm.trainer.loop import RaySide
+    from raytrain_lm.trainer.ray_side import RaySide
 
 
 class Worker(Rebalancing, Endings):
@@ -120,10 +126,10 @@ class Worker(Rebalancing, Endings):
         self.watchdog = StepWatchdog(cfg.fault.step_timeout_s)
         self.flag_channel = FlagChannel(self.device, cfg.fault.collective_timeout_s)
         self.pending = PendingSteps(world, loss_copies=self.layout.tensor)
-        self.sync_counter = faults.sync_counter(spec.fault, self.device)
+        self.sync_counter = chaos.sync_counter(spec.fault, self.device)
         self.clock = ForwardClock(self.device) if cfg.scaling.balance == "auto" else None
-        faults.simulate_device(self.model, spec.fault, self.fault_rank)
-        self.pacer = faults.Pacer(spec.fault, self.run_dir)
+        chaos.simulate_device(self.model, spec.fault, self.fault_rank)
+        self.pacer = chaos.Pacer(spec.fault, self.run_dir)
 
         self.parts: StepParts | None = None  # from _prepare_loop
         self.state = TrainState()
@@ -150,7 +156,7 @@ class Worker(Rebalancing, Endings):
 
     @property
     def fault_rank(self) -> int:
-        """The rank a chaos test's fault names (trainer/faults.py)."""
+        """The rank a chaos test's fault names (trainer/chaos.py)."""
         return self.rank
 
     def _tracker(self) -> Tracker:
@@ -378,7 +384,7 @@ class Worker(Rebalancing, Endings):
         """Rank 0's signal flags (whether to ask Ray about preemption, whether a stop was
         requested), carried to every rank each step without waiting for the device."""
         ask = self.is_chief and self.every.signals.due(self.state.step, self.end_step)
-        stop = ask and (signals.stop_requested(self.run_dir) or self._chief_stops())
+        stop = ask and (stop_requests.stop_requested(self.run_dir) or self._chief_stops())
         asks, stops = self.flag_channel.share([int(ask), int(stop)])
         return Flags(ask=asks > 0, stop=stops > 0)
 

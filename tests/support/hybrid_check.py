@@ -37,7 +37,7 @@ def _block_gap(rank: int) -> float:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from raytrain_lm.trainer.tensor_parallel import block_plan
+    from raytrain_lm.trainer.distributed.tensor_parallel import block_plan
 
     torch.manual_seed(0)
     whole = ARCHS["llama"]().layers[0]

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from raytrain_lm.runs.journal import read_events
-from raytrain_lm.trainer.stopping import STOP_ACKNOWLEDGED
+from raytrain_lm.trainer.driver.stopping import STOP_ACKNOWLEDGED
 from support.noise import noise_in
 
 ROOT = Path(__file__).resolve().parents[2]

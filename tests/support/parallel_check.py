@@ -26,10 +26,10 @@ from raytrain_lm.checkpoints.sharded import load_sharded_checkpoint, save_sharde
 from raytrain_lm.config import TrainingConfig
 from raytrain_lm.llama import Llama, LlamaShape
 from raytrain_lm.model import GPT, GPTShape
-from raytrain_lm.trainer.mesh import build_meshes, plan_layout
-from raytrain_lm.trainer.parallel import local_state_bytes, shard_model
-from raytrain_lm.trainer.plan import BatchPlan, learning_rate
-from raytrain_lm.trainer.step import StepParts, accumulate_gradients, train_step
+from raytrain_lm.trainer.components.batch_plan import BatchPlan, learning_rate
+from raytrain_lm.trainer.components.step import StepParts, accumulate_gradients, train_step
+from raytrain_lm.trainer.distributed.mesh import build_meshes, plan_layout
+from raytrain_lm.trainer.distributed.parallel import local_state_bytes, shard_model
 
 VOCAB, SEQ, GLOBAL_BATCH, MICRO, STEPS, SAVE_AT = 64, 16, 8, 2, 20, 10
 UNEVEN = [3.0, 1.0]  # weights: shares of 6 and 2
@@ -83,7 +83,7 @@ class Run:
         if strategy in ("fsdp", "hsdp"):
             data_mesh, tensor_mesh = build_meshes(self.layout, "cpu")
             if tensor_mesh is not None:
-                from raytrain_lm.trainer.tensor_parallel import apply_tensor_parallel
+                from raytrain_lm.trainer.distributed.tensor_parallel import apply_tensor_parallel
 
                 apply_tensor_parallel(self.raw, tensor_mesh)
             shard_model(self.raw, data_mesh, bf16=False)

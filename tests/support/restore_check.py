@@ -28,8 +28,8 @@ import torch.distributed as dist
 
 from raytrain_lm import checkpoints
 from raytrain_lm.model import GPT, GPTShape
-from raytrain_lm.trainer import restore
-from raytrain_lm.trainer.collectives import pin_gloo_interface
+from raytrain_lm.trainer.checkpointing import restore
+from raytrain_lm.trainer.distributed.collectives import pin_gloo_interface
 
 COLLECTIVE_TIMEOUT_S = 3.0
 SLOW_S = 7.0

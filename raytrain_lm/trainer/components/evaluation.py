@@ -10,7 +10,7 @@ import torch
 from raytrain_lm import devices
 from raytrain_lm.data.manifest import Manifest
 from raytrain_lm.data.stream import validation_batches
-from raytrain_lm.trainer.collectives import all_reduce
+from raytrain_lm.trainer.distributed.collectives import all_reduce
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,8 @@ from typing import Any
 from ray.train import UserCallback
 
 from raytrain_lm.runs.journal import append_event, read_events
-from raytrain_lm.trainer.capacity import refresh_capacity_view
-from raytrain_lm.trainer.signals import REPLICAS_DONE
+from raytrain_lm.trainer.components.stop_requests import REPLICAS_DONE
+from raytrain_lm.trainer.driver.capacity import refresh_capacity_view
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from raytrain_lm.checkpoints import (
     same_format,
 )
 from raytrain_lm.errors import UserError
-from raytrain_lm.trainer.collectives import from_chief
+from raytrain_lm.trainer.distributed.collectives import from_chief
 
 
 def restore_group(

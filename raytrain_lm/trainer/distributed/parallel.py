@@ -21,7 +21,7 @@ import torch
 from raytrain_lm.causal_lm import CausalLM
 from raytrain_lm.config import ParallelConfig
 from raytrain_lm.errors import UserError
-from raytrain_lm.trainer.mesh import Layout, build_meshes, plan_layout
+from raytrain_lm.trainer.distributed.mesh import Layout, build_meshes, plan_layout
 
 # Persistent bytes per parameter while training with AdamW in fp32 master weights: the weight
 # (4), its gradient (4) and the two moments (8). Mixed precision adds only transient bf16 copies.
@@ -179,13 +179,13 @@ def apply_layout(
     """Tensor parallelism, then activation checkpointing, then FSDP2, in place (torchtitan's
     order: tensor parallelism must find each block's own modules, not a checkpoint wrapper).
     Under ddp only the checkpointing; DDP wraps the model later, for the step."""
-    from raytrain_lm.trainer.recompute import apply_activation_checkpointing
+    from raytrain_lm.trainer.distributed.recompute import apply_activation_checkpointing
 
     data_mesh = tensor_mesh = None
     if layout.strategy != "ddp":
         data_mesh, tensor_mesh = build_meshes(layout, device.type)
     if tensor_mesh is not None:
-        from raytrain_lm.trainer.tensor_parallel import apply_tensor_parallel
+        from raytrain_lm.trainer.distributed.tensor_parallel import apply_tensor_parallel
 
         apply_tensor_parallel(model, tensor_mesh)
     apply_activation_checkpointing(model, recompute)

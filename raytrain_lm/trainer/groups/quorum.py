@@ -16,11 +16,12 @@ import torch
 
 from raytrain_lm.config import RunConfig
 from raytrain_lm.tracking.interface import Tracker
-from raytrain_lm.trainer import faults, torchft_adapter
+from raytrain_lm.trainer import chaos
+from raytrain_lm.trainer.groups import torchft_adapter
 from raytrain_lm.trainer.progress import ProgressBar, announce
 
 if TYPE_CHECKING:
-    from raytrain_lm.trainer.replicas import ReplicaWorker
+    from raytrain_lm.trainer.groups.replicas import ReplicaWorker
 
 
 def lighthouse_settings(cfg: RunConfig) -> dict[str, Any]:
@@ -306,7 +307,7 @@ class ChiefTracker:
                 self.tracker.log_missing(unlogged)
                 self.kept = [(s, m, True) for s, m, _ in self.kept]
             self.tracker.log_metrics(metrics, step=step)
-            faults.maybe_kill_chief(self.worker.spec.fault, self.worker.run_dir, step)
+            chaos.maybe_kill_chief(self.worker.spec.fault, self.worker.run_dir, step)
         self.kept.append((step, metrics, speaks))
 
     @property

@@ -28,7 +28,7 @@ import torch
 
 from raytrain_lm import devices
 from raytrain_lm.errors import UserError
-from raytrain_lm.trainer.collectives import all_reduce
+from raytrain_lm.trainer.distributed.collectives import all_reduce
 
 MEASURE_STEPS = 5  # steps timed after the warm-up before auto makes its first plan
 MIN_SEQUENCES = 4  # per rank: fewer timed sequences are too few to re-plan on

@@ -19,7 +19,7 @@ from raytrain_lm.errors import UserError
 from raytrain_lm.rundir import RunDir
 from raytrain_lm.runs.goodput import summarize
 from raytrain_lm.runs.journal import read_events
-from raytrain_lm.trainer.deadline import DeadlineCapacity, slack_s
+from raytrain_lm.trainer.components.spot_first import DeadlineCapacity, slack_s
 from raytrain_lm.trainer.progress import announce
 
 
@@ -45,7 +45,9 @@ class BudgetGuard:
         starts = [e["t"] for e in events if e["event"] == "job_start"]
         self.first_start = min(starts) if starts else time.time()
         self.warned: set[str] = set()
-        self.capacity: DeadlineCapacity | None = None  # scaling.capacity=spot_first (endings.py)
+        self.capacity: DeadlineCapacity | None = (
+            None  # scaling.capacity=spot_first (group_endings.py)
+        )
 
     def spent(self, segment_events: list[dict[str, Any]], now: float) -> float:
         return self.spent_before + summarize(segment_events, now).cost

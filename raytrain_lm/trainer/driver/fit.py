@@ -17,10 +17,10 @@ from raytrain_lm.placement import (
 from raytrain_lm.rundir import RAY_TRAIN_SNAPSHOT, RunDir
 from raytrain_lm.runs.journal import read_events
 from raytrain_lm.runtime import use_gpu
-from raytrain_lm.trainer import signals
-from raytrain_lm.trainer.deadline import ON_DEMAND, current_market
+from raytrain_lm.trainer.components import stop_requests
+from raytrain_lm.trainer.components.spot_first import ON_DEMAND, current_market
+from raytrain_lm.trainer.driver.stopping import run_interruptibly
 from raytrain_lm.trainer.spec import WorkerSpec
-from raytrain_lm.trainer.stopping import run_interruptibly
 
 
 def fit(spec: WorkerSpec, callbacks: list | None = None) -> None:
@@ -30,9 +30,9 @@ def fit(spec: WorkerSpec, callbacks: list | None = None) -> None:
     from ray.train.torch import TorchTrainer
     from ray.train.v2.api.config import LoggingConfig
 
-    from raytrain_lm.trainer.callbacks import EndAfterReplicasDone, FailureEvents
-    from raytrain_lm.trainer.loop import train_loop_per_worker
-    from raytrain_lm.trainer.replica_placement import ReplaceWhenPlaceable
+    from raytrain_lm.trainer.driver.callbacks import EndAfterReplicasDone, FailureEvents
+    from raytrain_lm.trainer.driver.replica_placement import ReplaceWhenPlaceable
+    from raytrain_lm.trainer.entry import train_loop_per_worker
 
     cfg, run_dir = spec.config, spec.run_dir
     fault = cfg.fault
@@ -107,7 +107,9 @@ def _replicas_done_since(cfg: RunConfig, run_dir: RunDir, started: float) -> dic
     if cfg.scaling.fault_tolerance != "replicas":
         return None
     done = [
-        e for e in read_events(run_dir) if e["event"] == signals.REPLICAS_DONE and e["t"] >= started
+        e
+        for e in read_events(run_dir)
+        if e["event"] == stop_requests.REPLICAS_DONE and e["t"] >= started
     ]
     return done[-1] if done else None
 
@@ -122,7 +124,7 @@ def _torch_config(cfg: RunConfig, gpu: bool):
     if cfg.scaling.fault_tolerance == "replicas":
         from ray.train.v2.torch.torchft_config import TorchftConfig
 
-        from raytrain_lm.trainer.quorum import lighthouse_settings
+        from raytrain_lm.trainer.groups.quorum import lighthouse_settings
 
         return TorchftConfig(lighthouse_settings(cfg), backend=backend, timeout_s=timeout)
     return TorchConfig(backend=backend, timeout_s=timeout)

@@ -1,4 +1,4 @@
-"""The replica groups' chief uploads its checkpoints itself (trainer/replicas.py): replica
+"""The replica groups' chief uploads its checkpoints itself (trainer/groups/replicas.py): replica
 groups report nothing to Ray Train, whose report waits for every worker. Periodic uploads run
 on background threads, one after another; in a sweep trial each checkpoint's report goes to
 Tune after its upload, in step order (Tune takes a trial's reports in that order)."""

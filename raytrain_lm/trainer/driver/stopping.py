@@ -1,7 +1,7 @@
 """Stopping a run on request, at a step boundary with a checkpoint, from the driver.
 
 The first SIGTERM (`raytrain-lm stop`, `ray job stop`, a scheduler) or Ctrl-C asks the workers
-to stop (signals.py): they take a just-in-time checkpoint at the next step boundary and end;
+to stop (components/stop_requests.py): they take a just-in-time checkpoint at the next step boundary and end;
 the run is then resumable from exactly there. A second signal, or `fault.stop_timeout_s`
 without the checkpoint, ends the driver at once (a KeyboardInterrupt), losing the steps since
 the last checkpoint, as a kill would.
@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from raytrain_lm.rundir import RunDir
-from raytrain_lm.trainer.signals import clear_stop_request, request_stop
+from raytrain_lm.trainer.components.stop_requests import clear_stop_request, request_stop
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 # Printed when a stop request reached the driver; `raytrain-lm stop` looks for it in a job's

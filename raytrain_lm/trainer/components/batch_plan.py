@@ -14,7 +14,7 @@ from raytrain_lm.config import TrainingConfig
 class BatchPlan:
     """Each rank's share of the global batch and how it splits into forward passes.
 
-    Shares are equal unless `scaling.balance` weights them by speed (trainer/balance.py). The
+    Shares are equal unless `scaling.balance` weights them by speed (trainer/components/balance.py). The
     step's gradient is the mean over the global batch's tokens whatever the shares, because
     each forward pass's loss is weighted by its part of the global batch (step.py).
     """

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from raytrain_lm.trainer.balance import MEASURE_STEPS, Speeds, replan_weights
-from raytrain_lm.trainer.pending import WARMUP_STEPS
-from raytrain_lm.trainer.plan import BatchPlan
+from raytrain_lm.trainer.components.balance import MEASURE_STEPS, Speeds, replan_weights
+from raytrain_lm.trainer.components.batch_plan import BatchPlan
+from raytrain_lm.trainer.components.pending_values import WARMUP_STEPS
 from raytrain_lm.trainer.progress import announce
 
 

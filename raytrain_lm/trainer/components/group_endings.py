@@ -17,11 +17,12 @@ from raytrain_lm.data import ledger
 from raytrain_lm.placement import OnDemandRequests
 from raytrain_lm.rundir import CONFIG_FILE, TOKENIZER_FILE
 from raytrain_lm.runs.journal import read_events
-from raytrain_lm.trainer import faults, signals
-from raytrain_lm.trainer.cadence import Flags
-from raytrain_lm.trainer.checkpoint_interval import interval_steps
-from raytrain_lm.trainer.collectives import all_reduce
-from raytrain_lm.trainer.deadline import DeadlineCapacity, measured_restart_s
+from raytrain_lm.trainer import chaos
+from raytrain_lm.trainer.checkpointing.checkpoint_interval import interval_steps
+from raytrain_lm.trainer.components import stop_requests
+from raytrain_lm.trainer.components.cadence import Flags
+from raytrain_lm.trainer.components.spot_first import DeadlineCapacity, measured_restart_s
+from raytrain_lm.trainer.distributed.collectives import all_reduce
 from raytrain_lm.trainer.progress import announce
 
 
@@ -32,12 +33,12 @@ class Endings:
         """After rank 0 raised a flag (every rank calls this at the same step): whether this
         group ends now, with a checkpoint, for a stop request or a spot notice."""
         if flags.stop:
-            reason = signals.STOP
+            reason = stop_requests.STOP
             if self.is_chief:
                 why = self.stop_reason
                 extra = {"market": self.budget.capacity.switch_to} if why == "capacity" else {}
                 self.events.append(
-                    self._event(signals.STOP, step=self.state.step, why=why, **extra)
+                    self._event(stop_requests.STOP, step=self.state.step, why=why, **extra)
                 )
                 if why == "budget":
                     spent = self.budget.spent(self.events, time.time())
@@ -49,7 +50,7 @@ class Endings:
             # A node of ours is being drained: checkpoint now and end this group, so the
             # driver restarts at once on the nodes that stay; steps taken while waiting for
             # the node to vanish would only be recomputed.
-            reason = signals.PREEMPTION
+            reason = stop_requests.PREEMPTION
             self.upload_deadline = info.deadline_ms / 1000 if info.deadline_ms else None
             if self.is_chief:
                 ranks = sorted(info.preempted_ranks)
@@ -170,7 +171,7 @@ class Endings:
                 self.checkpointed_optimizer,
                 state,
                 texts,
-                partially_written=lambda: faults.maybe_fire(
+                partially_written=lambda: chaos.maybe_fire(
                     self.spec.fault, "kill-in-checkpoint", state.step, self.fault_rank, self.run_dir
                 ),
             )
@@ -179,14 +180,14 @@ class Endings:
             self._event("checkpoint_saved", step=state.step, save_s=save_s)
         choose_interval = self.cfg.checkpoint.every_steps == "auto" and not final
         # A chaos test's kill after this checkpoint means after it is complete: wait for it.
-        final = final or faults.targets(self.spec.fault, "kill-after-checkpoint", state.step)
+        final = final or chaos.targets(self.spec.fault, "kill-after-checkpoint", state.step)
         try:
             self._publish_checkpoint(report, local, wait=final)
         except OSError as exc:
             if self.upload_deadline is None:
                 raise
             announce(f"the just-in-time checkpoint could not be saved in time: {exc}")
-        faults.maybe_fire(
+        chaos.maybe_fire(
             self.spec.fault, "kill-after-checkpoint", state.step, self.fault_rank, self.run_dir
         )
         if choose_interval:  # after the report, which every rank reaches: no rank waits long

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from raytrain_lm.trainer.collectives import reduce_on_device
+from raytrain_lm.trainer.distributed.collectives import reduce_on_device
 
 WARMUP_STEPS = 3  # the first steps of a group pay for start-up: not counted in tokens/s
 

@@ -3,7 +3,7 @@ micro-batches, clip, update. Pure PyTorch: no Ray here.
 
 Each micro-batch's mean loss is weighted by its part of the global batch (b sequences of G,
 times the world size W that DDP and FSDP divide the summed gradients by), so the update is the
-mean over the global batch's tokens however unevenly the ranks share it (trainer/balance.py).
+mean over the global batch's tokens however unevenly the ranks share it (trainer/components/balance.py).
 With equal shares the weight is 1/accumulation, as usual.
 
 Under DDP gradients are all-reduced once, on the last micro-batch. Under FSDP each micro-batch's
@@ -21,8 +21,8 @@ import numpy as np
 import torch
 
 from raytrain_lm import devices
-from raytrain_lm.trainer.balance import ForwardClock
-from raytrain_lm.trainer.plan import BatchPlan
+from raytrain_lm.trainer.components.balance import ForwardClock
+from raytrain_lm.trainer.components.batch_plan import BatchPlan
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from pathlib import Path
 from raytrain_lm import devices
 from raytrain_lm.data.manifest import MANIFEST_FILE, Manifest
 from raytrain_lm.rundir import CONFIG_FILE
-from raytrain_lm.trainer.evaluation import Evaluator
+from raytrain_lm.trainer.components.evaluation import Evaluator
 from raytrain_lm.trainer.storage_checks import check_visible
 
 

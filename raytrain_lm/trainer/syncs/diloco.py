@@ -46,22 +46,28 @@ import torch
 from torch.distributed import ReduceOp
 
 from raytrain_lm.errors import UserError
-from raytrain_lm.trainer import faults, torchft_adapter
-from raytrain_lm.trainer.cadence import Cadences, Flags
-from raytrain_lm.trainer.diloco_parts import (
+from raytrain_lm.trainer import chaos
+from raytrain_lm.trainer.components.cadence import Cadences, Flags
+from raytrain_lm.trainer.components.step import (
+    StepParts,
+    accumulate_gradients,
+    apply_update,
+    step_seed,
+)
+from raytrain_lm.trainer.groups import torchft_adapter
+from raytrain_lm.trainer.groups.replicas import ReplicaWorker
+from raytrain_lm.trainer.groups.roster import SLOTS_PER_PARTICIPANT, position_checksum, roster_slots
+from raytrain_lm.trainer.progress import announce
+from raytrain_lm.trainer.syncs.diloco_parts import (
     CountingManager,
     InnerAndOuter,
     UnitStart,
     model_fragments,
     unit_schedule,
 )
-from raytrain_lm.trainer.progress import announce
-from raytrain_lm.trainer.replicas import ReplicaWorker
-from raytrain_lm.trainer.roster import SLOTS_PER_PARTICIPANT, position_checksum, roster_slots
-from raytrain_lm.trainer.step import StepParts, accumulate_gradients, apply_update, step_seed
 
 if TYPE_CHECKING:
-    from raytrain_lm.trainer.loop import RaySide
+    from raytrain_lm.trainer.ray_side import RaySide
     from raytrain_lm.trainer.spec import WorkerSpec
 
 
@@ -209,8 +215,8 @@ class DilocoWorker(ReplicaWorker):
                 norms.append(norm)
                 taken.append(positions[mine].copy())
                 self.watchdog.beat()
-                if self.participants > 1:  # a death at a sync someone else sees (faults.py)
-                    faults.maybe_fire(
+                if self.participants > 1:  # a death at a sync someone else sees (chaos.py)
+                    chaos.maybe_fire(
                         self.spec.fault,
                         "kill-in-round",
                         first + i + 1,
@@ -218,7 +224,7 @@ class DilocoWorker(ReplicaWorker):
                         self.run_dir,
                         from_step_on=True,
                     )
-                self.pacer.pace(started)  # slow-steps: every inner step (faults.py)
+                self.pacer.pace(started)  # slow-steps: every inner step (chaos.py)
                 if i + 1 in schedule:
                     clean = self._sync_fragments(schedule[i + 1])
                     if not clean:  # a group gone, or the link failed: the unit is lost

@@ -44,15 +44,16 @@ from raytrain_lm.runtime import ensure_ray
 from raytrain_lm.storage import check_writable
 from raytrain_lm.tokenization import load_tokenizer
 from raytrain_lm.tracking.mlflow_tracker import MLflowTracker
-from raytrain_lm.trainer import faults, signals
-from raytrain_lm.trainer.budget import refuse_if_spent
-from raytrain_lm.trainer.capacity import create_capacity_view, refresh_capacity_view
-from raytrain_lm.trainer.deadline import CAPACITY
-from raytrain_lm.trainer.fit import fit
-from raytrain_lm.trainer.plan import end_step
-from raytrain_lm.trainer.publish import finished_summary, publish, read_summary
+from raytrain_lm.trainer import chaos
+from raytrain_lm.trainer.components import stop_requests
+from raytrain_lm.trainer.components.batch_plan import end_step
+from raytrain_lm.trainer.components.budget import refuse_if_spent
+from raytrain_lm.trainer.components.spot_first import CAPACITY
+from raytrain_lm.trainer.driver.capacity import create_capacity_view, refresh_capacity_view
+from raytrain_lm.trainer.driver.fit import fit
+from raytrain_lm.trainer.driver.publish import finished_summary, publish, read_summary
+from raytrain_lm.trainer.driver.stopping import GracefulStop
 from raytrain_lm.trainer.spec import TrackingTarget, WorkerSpec
-from raytrain_lm.trainer.stopping import GracefulStop
 from raytrain_lm.trainer.storage_checks import check_nodes_see
 
 # What defines a run: resuming with any of these changed would silently make a different run.
@@ -93,7 +94,7 @@ def train(
         raise ValueError(f"a lease on {lease.run_dir} cannot cover the run in {run_dir}")
     owned = lease is None  # else the caller (a sweep trial) took it and releases it
     with RunLease(run_dir, cfg.name) if owned else contextlib.nullcontext(lease) as held:
-        held.on_lost = lambda: signals.request_stop(run_dir, why="lease_lost")
+        held.on_lost = lambda: stop_requests.request_stop(run_dir, why="lease_lost")
         cfg = apply_init_from(cfg)
         _check_resume_compatible(cfg, run_dir, may_change)
         previous = latest_complete_checkpoint(run_dir)
@@ -133,7 +134,7 @@ def train(
             expect_checkpoint=checkpointed,
             read_cpus=cfg.scaling.data_cpus / cfg.scaling.max_size,
             checkpoint_strategy=state.strategy if state is not None else None,
-            fault=faults.from_environment(),
+            fault=chaos.from_environment(),
             reports=reports,
         )
         stopped = False
@@ -232,14 +233,14 @@ def _train_until_done(spec: WorkerSpec, callbacks: list | None) -> bool | str:
                 spec = replace(spec, expect_checkpoint=True)
                 continue
             events = read_events(run_dir)
-            reason = signals.handoff_reason(events)
-            why = signals.stop_why(events) if reason == signals.STOP else None
-            if why == "capacity":  # scaling.capacity=spot_first: onto other nodes (deadline.py)
-                if stopping.requested or signals.stop_requested(run_dir):
+            reason = stop_requests.handoff_reason(events)
+            why = stop_requests.stop_why(events) if reason == stop_requests.STOP else None
+            if why == "capacity":  # scaling.capacity=spot_first: onto other nodes (spot_first.py)
+                if stopping.requested or stop_requests.stop_requested(run_dir):
                     return True  # a stop came while the group checkpointed for the switch
-                market = signals.last_stop(events)["market"]
+                market = stop_requests.last_stop(events)["market"]
                 append_event(
-                    run_dir, CAPACITY, market=market, step=signals.last_stop(events)["step"]
+                    run_dir, CAPACITY, market=market, step=stop_requests.last_stop(events)["step"]
                 )
                 refresh_capacity_view()
                 spec = replace(spec, expect_checkpoint=True)
@@ -247,16 +248,19 @@ def _train_until_done(spec: WorkerSpec, callbacks: list | None) -> bool | str:
                     f"[raytrain-lm] restarting on {market.replace('_', '-')} capacity", flush=True
                 )
                 continue
-            if reason == signals.STOP:  # on request (True), or with budget.max_usd spent
+            if reason == stop_requests.STOP:  # on request (True), or with budget.max_usd spent
                 return "budget" if why == "budget" else True
-            if reason == signals.REPLICAS_TOO_FEW:
+            if reason == stop_requests.REPLICAS_TOO_FEW:
                 gave_up = [e for e in read_events(run_dir) if e["event"] == reason][-1]
                 raise UserError(
                     f"{gave_up['reason']}; run '{cfg.name}' stopped at step {gave_up['step']}: "
                     "start it again to resume once capacity is back, or lower scaling.min_workers"
                 )
             reached = latest_complete_checkpoint(run_dir)
-            if reason not in (signals.PREEMPTION, signals.LIGHTHOUSE_LOST) or reached is None:
+            if (
+                reason not in (stop_requests.PREEMPTION, stop_requests.LIGHTHOUSE_LOST)
+                or reached is None
+            ):
                 return False
             if read_state(reached).step >= end_step(cfg.training):
                 return False

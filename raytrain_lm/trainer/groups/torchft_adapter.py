@@ -60,6 +60,6 @@ def _raise_if_missing(missing: list[str]) -> None:
         version = importlib.metadata.version("torchft")
         raise RuntimeError(
             f"torchft {version} lacks {', '.join(sorted(set(missing)))}, which "
-            "raytrain_lm/trainer/torchft_adapter.py uses (checked against torchft "
+            "raytrain_lm/trainer/groups/torchft_adapter.py uses (checked against torchft "
             f"{CHECKED_VERSION}): see that module for what each is for"
         )

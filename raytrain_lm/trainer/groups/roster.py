@@ -1,4 +1,4 @@
-"""What replica groups tell each other in every step's summed values (trainer/replicas.py):
+"""What replica groups tell each other in every step's summed values (trainer/groups/replicas.py):
 a checksum of the positions each took (exactly once, whoever took part), and who took part:
 each participant's accelerator type and hourly price, in its own slots of the sum, so that
 whichever group is chief knows the step's types and prices (per-type metrics) and the price of

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from raytrain_lm.errors import UserError
-from raytrain_lm.trainer.quorum import ByteCounter
+from raytrain_lm.trainer.groups.quorum import ByteCounter
 
 UNIT_START_KEY = "raytrain_lm_unit_start"  # the Manager's name for UnitStart's state
 

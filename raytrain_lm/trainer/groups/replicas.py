@@ -44,13 +44,19 @@ from raytrain_lm.data.stream import StepStream, WorkerSlice
 from raytrain_lm.errors import UserError
 from raytrain_lm.runs.journal import Heartbeat
 from raytrain_lm.tracking.interface import Tracker
-from raytrain_lm.trainer import faults, signals
-from raytrain_lm.trainer.balance import type_weights
-from raytrain_lm.trainer.cadence import Flags
-from raytrain_lm.trainer.chief_uploads import ChiefUploads
-from raytrain_lm.trainer.plan import BatchPlan
-from raytrain_lm.trainer.progress import ProgressBar, announce
-from raytrain_lm.trainer.quorum import (
+from raytrain_lm.trainer import chaos
+from raytrain_lm.trainer.checkpointing.chief_uploads import ChiefUploads
+from raytrain_lm.trainer.components import stop_requests
+from raytrain_lm.trainer.components.balance import type_weights
+from raytrain_lm.trainer.components.batch_plan import BatchPlan
+from raytrain_lm.trainer.components.cadence import Flags
+from raytrain_lm.trainer.components.step import (
+    StepParts,
+    accumulate_gradients,
+    apply_update,
+    step_seed,
+)
+from raytrain_lm.trainer.groups.quorum import (
     LIGHTHOUSE_ENV,
     ChiefProgress,
     ChiefTracker,
@@ -58,18 +64,18 @@ from raytrain_lm.trainer.quorum import (
     Quorum,
     TooFewReplicas,
 )
-from raytrain_lm.trainer.roster import (
+from raytrain_lm.trainer.groups.roster import (
     SLOTS_PER_PARTICIPANT,
     check_step_taken,
     position_checksum,
     read_roster,
     roster_slots,
 )
-from raytrain_lm.trainer.step import StepParts, accumulate_gradients, apply_update, step_seed
+from raytrain_lm.trainer.progress import ProgressBar, announce
 from raytrain_lm.trainer.worker import Worker
 
 if TYPE_CHECKING:
-    from raytrain_lm.trainer.loop import RaySide
+    from raytrain_lm.trainer.ray_side import RaySide
     from raytrain_lm.trainer.spec import WorkerSpec
 
 # A chief's heartbeat (every 0.5 s) younger than this says where the groups training are.
@@ -159,9 +165,9 @@ class ReplicaWorker(Worker):
         }
 
     def _from_peer(self, state: dict[str, Any]) -> None:
-        cut = faults.find(self.spec.fault, "kill-while-healing")  # a chaos test's
+        cut = chaos.find(self.spec.fault, "kill-while-healing")  # a chaos test's
         if cut is not None and state["train"]["step"] >= (cut.step or 0):
-            faults.maybe_fire(cut, "kill-while-healing", cut.step, self.group, self.run_dir)
+            chaos.maybe_fire(cut, "kill-while-healing", cut.step, self.group, self.run_dir)
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optim"])
         self.state = TrainState(**state["train"])
@@ -301,7 +307,7 @@ class ReplicaWorker(Worker):
             lost = True
             announce(f"{exc}: checkpoint at step {self.state.step}, then a restart", self.is_chief)
             if self.is_chief:
-                self._event(signals.LIGHTHOUSE_LOST, step=self.state.step)
+                self._event(stop_requests.LIGHTHOUSE_LOST, step=self.state.step)
                 self._checkpoint_now()
         except TooFewReplicas as exc:
             # Every group that is left gives up; the last quorum's chief, if it is one of them,
@@ -310,7 +316,7 @@ class ReplicaWorker(Worker):
             too_few = True
             if self.is_chief:
                 self._checkpoint_now()
-            self._event(signals.REPLICAS_TOO_FEW, group=self.group, step=self.state.step,
+            self._event(stop_requests.REPLICAS_TOO_FEW, group=self.group, step=self.state.step,
                         reason=str(exc))  # fmt: skip
         self.uploads.join()
         if self.leaving and self.participants > 1:
@@ -319,7 +325,7 @@ class ReplicaWorker(Worker):
             self.quorum.manager.shutdown(wait=False)
         ended = self.state.step >= self.end_step or self.stop_seen or self.leaving or lost
         if (self.is_chief and ended) or too_few:  # see callbacks.EndAfterReplicasDone
-            self._event(signals.REPLICAS_DONE, step=self.state.step, too_few=too_few)
+            self._event(stop_requests.REPLICAS_DONE, step=self.state.step, too_few=too_few)
 
     def _checkpoint_now(self) -> None:
         if len(self.pending):
@@ -463,12 +469,12 @@ class ReplicaWorker(Worker):
 
     def _stop_due(self) -> bool:
         if not hasattr(self, "stop_checks"):
-            from raytrain_lm.trainer.cadence import Every
+            from raytrain_lm.trainer.components.cadence import Every
 
             self.stop_checks = Every(seconds=self.cfg.fault.preemption_check_s)
-        return self.stop_checks.due(self.state.step, self.end_step) and signals.stop_requested(
-            self.run_dir
-        )
+        return self.stop_checks.due(
+            self.state.step, self.end_step
+        ) and stop_requests.stop_requested(self.run_dir)
 
     def _read_pending(self) -> dict[str, float]:
         metrics = super()._read_pending()
@@ -493,7 +499,7 @@ class ReplicaWorker(Worker):
         state = self.state
         if flags.stop:
             if self.is_chief:
-                self.events.append(self._event(signals.STOP, step=state.step))
+                self.events.append(self._event(stop_requests.STOP, step=state.step))
             announce(f"stop: checkpoint at step {state.step}, then the run ends", self.is_chief)
             return True
         deadline_ms = self.ray.draining_deadline_ms(self.ray.node_id())
@@ -509,7 +515,7 @@ class ReplicaWorker(Worker):
             return True  # after this step's duties (_report_checkpoint)
         announce(f"spot notice for the last replica group: checkpoint at step {state.step}")
         self.events.append(
-            self._event(signals.PREEMPTION, step=state.step, deadline_ms=deadline_ms)
+            self._event(stop_requests.PREEMPTION, step=state.step, deadline_ms=deadline_ms)
         )
         return True
 
