@@ -22,6 +22,7 @@ import pytest
 import yaml
 
 from raytrain_lm import cli
+from raytrain_lm.cli.parser import build_parser, split_overrides
 from raytrain_lm.config import load_config
 from raytrain_lm.config.tracking import TrackingConfig
 from raytrain_lm.tracking.mlflow_tracker import MLflowTracker
@@ -128,9 +129,9 @@ def _check_raytrain_lm(argv: list[str], where: str) -> None:
     from raytrain_lm.data.sources import expand_sources
     from raytrain_lm.errors import UserError
 
-    rest, short = cli._split_overrides(argv)
+    rest, short = split_overrides(argv)
     try:
-        args = cli._parser().parse_args(rest)
+        args = build_parser().parse_args(rest)
     except UserError as refused:
         pytest.fail(f"{where}: the CLI refuses it: {refused}")
     config = getattr(args, "config", None)

@@ -84,11 +84,24 @@ class RunConfig(_Section):
 
     @model_validator(mode="after")
     def _batch_fits_workers(self) -> RunConfig:
-        # The global batch never changes with the world size, so it must split evenly at
-        # every size an elastic run may take: refuse up front, not at the first resize.
-        # Balanced shares are uneven anyway: one sequence per rank is all they need.
-        micro = self.training.micro_batch_size
         self._parallel_fits()
+        self._budget_fits()
+        if self.scaling.fault_tolerance == "replicas":
+            self._replicas_fit()
+            return self
+        if self.parallel.sync == "diloco":
+            raise ValueError(
+                "parallel.sync=diloco syncs replica groups: set scaling.fault_tolerance=replicas"
+            )
+        if self.scaling.balance != "none":
+            self._balanced_shares_fit()
+            return self
+        self._batch_splits_at_every_world_size()
+        return self
+
+    def _budget_fits(self) -> None:
+        """A dollar budget needs prices to count against; spot_first keeps to a deadline by
+        adding on-demand nodes, so it needs both the deadline and room to grow."""
         if self.budget.max_usd is not None and not self.fault.price_per_hour:
             raise ValueError(
                 "budget.max_usd counts fault.price_per_hour: set it, e.g. {A100: 1.3, cpu: 0.1}"
@@ -103,22 +116,21 @@ class RunConfig(_Section):
                     "scaling.capacity=spot_first adds on-demand nodes for workers a run may "
                     "grow to: set scaling.min_workers below scaling.max_workers"
                 )
-        if self.scaling.fault_tolerance == "replicas":
-            self._replicas_fit()
-            return self
-        if self.parallel.sync == "diloco":
+
+    def _balanced_shares_fit(self) -> None:
+        """Balanced shares are uneven anyway: one sequence per rank is all they need."""
+        if self.training.global_batch_size < self.scaling.max_size:
             raise ValueError(
-                "parallel.sync=diloco syncs replica groups: set scaling.fault_tolerance=replicas"
+                f"training.global_batch_size ({self.training.global_batch_size}) gives "
+                f"fewer than one sequence to each of up to {self.scaling.max_size} workers"
             )
-        if self.scaling.balance != "none":
-            if self.training.global_batch_size < self.scaling.max_size:
-                raise ValueError(
-                    f"training.global_batch_size ({self.training.global_batch_size}) gives "
-                    f"fewer than one sequence to each of up to {self.scaling.max_size} workers"
-                )
-            if self.scaling.balance == "auto" and self.parallel.strategy in ("fsdp", "hsdp"):
-                raise ValueError(BALANCE_AUTO_UNDER_FSDP)
-            return self
+        if self.scaling.balance == "auto" and self.parallel.strategy in ("fsdp", "hsdp"):
+            raise ValueError(BALANCE_AUTO_UNDER_FSDP)
+
+    def _batch_splits_at_every_world_size(self) -> None:
+        """The global batch never changes with the world size, so it must split evenly at
+        every size an elastic run may take: refused up front, not at the first resize."""
+        micro = self.training.micro_batch_size
         for world in self.scaling.world_sizes:
             if not self.batch_splits_over(world):
                 if self.scaling.elastic:
@@ -134,7 +146,6 @@ class RunConfig(_Section):
                     f"training.global_batch_size ({self.training.global_batch_size}) "
                     f"is not divisible by {what}"
                 )
-        return self
 
     def batch_splits_over(self, workers: int) -> bool:
         """Whether the global batch splits over `workers` as the run splits it: into whole

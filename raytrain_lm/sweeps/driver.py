@@ -24,7 +24,7 @@ from raytrain_lm.errors import UserError, find_user_error
 from raytrain_lm.placement import pin_ray_data_actors_here
 from raytrain_lm.rundir import RunDir
 from raytrain_lm.runtime import ensure_ray, use_gpu
-from raytrain_lm.storage import check_writable, is_uri
+from raytrain_lm.storage import Location, check_writable, is_uri
 from raytrain_lm.sweeps.progress import TrialLines
 from raytrain_lm.sweeps.record import (
     REPORT_FILE,
@@ -115,13 +115,40 @@ def run_sweep(sweep: Sweep) -> dict[str, Any]:
         f"{record['tracking_uri']}",
         flush=True,
     )
+    grid = _fit(tuner, runs, parent)
+    completed, errored, errors = _trial_endings(grid)
+    interrupted = len(completed) + errors < len(grid) or len(grid) < sweep.spec.trial_count()
+    settle_children(runs, completed, errored)
+
+    png = sweep.directory / REPORT_FILE
+    rows = _report_and_finish(
+        sweep, record, runs, parent, png, interrupted, all_failed=errors == len(grid)
+    )
+    user_error = _first_user_error(grid)
+    if user_error is not None:
+        raise user_error
+    return {
+        "sweep": sweep.name,
+        "directory": str(sweep.directory),
+        "mlflow_parent_run_id": parent.run_id,
+        "interrupted": interrupted,
+        "trials": len(grid),
+        "errored": errors,
+        "report": str(png),
+        "ranked": rows,
+    }
+
+
+def _fit(tuner, runs: TrialRuns, parent):
+    """Runs the sweep to its end; if the driver itself is stopped (Ctrl-C, an error), its
+    MLflow runs are closed as killed before that goes on up."""
     # Tune installs its own Ctrl-C handler (first press: save state and stop trials) and
     # leaves it in place; a notebook or script that goes on after the sweep gets its own back.
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous_handler = signal.getsignal(signal.SIGINT) if in_main_thread else None
     try:
         with quiet_tune():
-            grid = tuner.fit()
+            return tuner.fit()
     except BaseException:
         settle_children(runs, {}, set())
         parent.finish("KILLED")
@@ -129,6 +156,11 @@ def run_sweep(sweep: Sweep) -> dict[str, Any]:
     finally:
         if in_main_thread and previous_handler is not None:
             signal.signal(signal.SIGINT, previous_handler)
+
+
+def _trial_endings(grid) -> tuple[dict[str, bool], set[str], int]:
+    """(completed trial id -> whether the scheduler stopped it early, errored trial ids,
+    how many trials errored)."""
     # A trial that trained to the end says so in its last report (`done_steps`); Tune marks
     # the last result of a trial the scheduler stopped `done`. A trial still running or
     # pending when the driver stopped has neither, nor an error. Trial statuses cannot tell:
@@ -144,11 +176,20 @@ def run_sweep(sweep: Sweep) -> dict[str, Any]:
     }
     errored = {r.metrics["trial_id"] for r in grid if r.error and r.metrics.get("trial_id")}
     errors = sum(1 for r in grid if r.error)
-    ended = len(completed) + errors
-    interrupted = ended < len(grid) or len(grid) < sweep.spec.trial_count()
-    settle_children(runs, completed, errored)
+    return completed, errored, errors
 
-    png = sweep.directory / REPORT_FILE
+
+def _report_and_finish(
+    sweep: Sweep,
+    record: dict[str, Any],
+    runs: TrialRuns,
+    parent,
+    png: Location,
+    interrupted: bool,
+    all_failed: bool,
+) -> list[dict[str, Any]]:
+    """Draws the report at `png`, logs it and the best val loss to the parent run, prints
+    the table, then finishes the parent run; returns the ranked trials."""
     # MLflow uploads a local file: a sweep in a bucket draws its report here, then copies it
     # there (the copy kept until the parent run is finished, which sends a delayed upload).
     staging = tempfile.mkdtemp(prefix="raytrain-sweep-report-") if is_uri(png) else None
@@ -169,25 +210,11 @@ def run_sweep(sweep: Sweep) -> dict[str, Any]:
                 file=sys.stderr,
                 flush=True,
             )
-        parent.finish(
-            "KILLED" if interrupted else ("FAILED" if errors == len(grid) else "FINISHED")
-        )
+        parent.finish("KILLED" if interrupted else ("FAILED" if all_failed else "FINISHED"))
     finally:
         if staging:
             shutil.rmtree(staging, ignore_errors=True)
-    user_error = _first_user_error(grid)
-    if user_error is not None:
-        raise user_error
-    return {
-        "sweep": sweep.name,
-        "directory": str(sweep.directory),
-        "mlflow_parent_run_id": parent.run_id,
-        "interrupted": interrupted,
-        "trials": len(grid),
-        "errored": errors,
-        "report": str(png),
-        "ranked": rows,
-    }
+    return rows
 
 
 def _tuner(sweep: Sweep, base_cfg: RunConfig, trainable, runs: TrialRuns, concurrent: int):

@@ -64,7 +64,6 @@ def plot_report(
     log-uniformly) get a log axis, as do values that span more than a factor of 20. `out` is
     a local path or a bucket URI."""
     from matplotlib.figure import Figure
-    from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter
 
     scored = [r for r in rows if r["val_loss"] is not None]
     panels = len(keys) + 1
@@ -73,35 +72,53 @@ def plot_report(
     axes = fig.subplots(math.ceil(panels / cols), cols)
     axes = list(getattr(axes, "flat", [axes]))
     for ax, key in zip(axes, keys, strict=False):
-        xs, ys, labels = [], [], []
-        for r in scored:
-            raw = r["params"][key]
-            try:
-                xs.append(float(raw))
-            except (TypeError, ValueError):
-                xs.append(raw)  # a categorical choice: matplotlib places strings in order
-            ys.append(r["val_loss"])
-            labels.append(r["trial"].split("_")[-1])
-        ax.scatter(xs, ys)
-        numeric = all(isinstance(x, float) for x in xs) and xs and min(xs) > 0
-        if numeric and (key in log_keys or max(xs) / min(xs) > 20):
-            ax.set_xscale("log")
-            # 1-2-5 ticks in plain numbers: matplotlib's default labels minor ticks as
-            # powers of ten over a narrow range, and they overlap
-            ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
-            ax.xaxis.set_minor_formatter(NullFormatter())
-        elif numeric:
-            ax.xaxis.set_major_locator(MaxNLocator(nbins=5))
-        if numeric:
-            distinct = sorted(set(xs))
-            if len(distinct) <= 4:  # a choice: tick exactly its values
-                ax.set_xticks(distinct)
-            ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
-        for x, y, label in zip(xs, ys, labels, strict=True):
-            ax.annotate(label, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
-        ax.set_xlabel(key)
-        ax.set_ylabel("val loss")
-    curves = axes[len(keys)]
+        _plot_loss_against_key(ax, key, scored, key in log_keys)
+    _plot_top_curves(axes[len(keys)], scored, client)
+    for ax in axes[panels:]:
+        ax.set_visible(False)
+    fig.tight_layout()
+    return _save_png(fig, out)
+
+
+def _plot_loss_against_key(ax, key: str, scored: list[dict[str, Any]], log_key: bool) -> None:
+    """One panel: each scored trial's val loss at its value of `key`, labelled by trial."""
+    xs, ys, labels = [], [], []
+    for r in scored:
+        raw = r["params"][key]
+        try:
+            xs.append(float(raw))
+        except (TypeError, ValueError):
+            xs.append(raw)  # a categorical choice: matplotlib places strings in order
+        ys.append(r["val_loss"])
+        labels.append(r["trial"].split("_")[-1])
+    ax.scatter(xs, ys)
+    numeric = all(isinstance(x, float) for x in xs) and xs and min(xs) > 0
+    if numeric:
+        _set_numeric_ticks(ax, xs, log_key or max(xs) / min(xs) > 20)
+    for x, y, label in zip(xs, ys, labels, strict=True):
+        ax.annotate(label, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    ax.set_xlabel(key)
+    ax.set_ylabel("val loss")
+
+
+def _set_numeric_ticks(ax, xs: list[float], log_axis: bool) -> None:
+    from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter
+
+    if log_axis:
+        ax.set_xscale("log")
+        # 1-2-5 ticks in plain numbers: matplotlib's default labels minor ticks as
+        # powers of ten over a narrow range, and they overlap
+        ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+        ax.xaxis.set_minor_formatter(NullFormatter())
+    else:
+        ax.xaxis.set_major_locator(MaxNLocator(nbins=5))
+    distinct = sorted(set(xs))
+    if len(distinct) <= 4:  # a choice: tick exactly its values
+        ax.set_xticks(distinct)
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+
+
+def _plot_top_curves(curves, scored: list[dict[str, Any]], client) -> None:
     for r in scored[:TOP_CURVES]:
         history = metric_history(client, r["run_id"], "val/loss")
         if history:
@@ -111,9 +128,9 @@ def plot_report(
     curves.set_title(f"top {min(TOP_CURVES, len(scored))} trials")
     if scored:
         curves.legend(fontsize=7)
-    for ax in axes[panels:]:
-        ax.set_visible(False)
-    fig.tight_layout()
+
+
+def _save_png(fig, out: str | Path) -> Path | Location:
     if is_uri(out):  # a bucket: drawn in memory, then one object
         drawn = io.BytesIO()
         fig.savefig(drawn, format="png", dpi=100)

@@ -221,13 +221,35 @@ def load_sweep(path: str | Path, overrides: list[str] | None = None) -> Sweep:
     """
     origin = str(path)
     file = Path(path)
+    spec = _read_spec(path, file)
+    cfg = _load_base(path, file, spec, overrides)
+    base = cfg.model_dump(mode="json")
+    _check_scheduler(origin, spec, base)
+    if spec.search == "optuna":
+        _check_optuna(origin, spec)
+    name = spec.name or file.stem
+    if not re.fullmatch(RUN_NAME_PATTERN, name):
+        raise UserError(f"{path}: sweep name '{name}' must match {RUN_NAME_PATTERN}; set name:")
+    directory = sweep_directory(cfg.output_dir, name)
+    return Sweep(spec=spec, name=name, base=base, source=str(file.resolve()), directory=directory)
+
+
+def _read_spec(path: str | Path, file: Path) -> SweepSpec:
     raw = read_yaml_file(file, "sweep")
     if not isinstance(raw, dict):
         raise UserError(f"{path}: top level must be a mapping with at least `space:`")
     try:
-        spec = SweepSpec.model_validate(fix_yaml_floats(raw))
+        return SweepSpec.model_validate(fix_yaml_floats(raw))
     except ValidationError as err:
-        raise UserError(format_validation_error(err, origin, SweepSpec)) from None
+        raise UserError(format_validation_error(err, str(path), SweepSpec)) from None
+
+
+def _load_base(
+    path: str | Path, file: Path, spec: SweepSpec, overrides: list[str] | None
+) -> RunConfig:
+    """The run config every trial starts from: the `base:` file (relative to the sweep
+    file), then the sweep's `config:` tree, then `overrides`."""
+    origin = str(path)
     base_file = None
     if spec.base is not None:
         base_file = (file.parent / spec.base).resolve()
@@ -249,7 +271,12 @@ def load_sweep(path: str | Path, overrides: list[str] | None = None) -> Sweep:
             f"checkpoint.every_steps ({cfg.checkpoint.every_steps}) must be a multiple of "
             f"training.eval_every ({cfg.training.eval_every}) so every report has a val loss",
         )
-    base = cfg.model_dump(mode="json")
+    return cfg
+
+
+def _check_scheduler(origin: str, spec: SweepSpec, base: dict[str, Any]) -> None:
+    """The space (a pbt sweep may sample nothing but its mutations), then PBT's own rules,
+    which no other scheduler's settings may borrow."""
     pbt = spec.scheduler.kind == "pbt"
     if not (pbt and spec.scheduler.hyperparam_mutations and not spec.space):
         _check_space(origin, spec.space, base)
@@ -259,18 +286,15 @@ def load_sweep(path: str | Path, overrides: list[str] | None = None) -> Sweep:
         raise _origin_error(
             origin, "scheduler: hyperparam_mutations and perturbation_interval need kind: pbt"
         )
-    if spec.search == "optuna":
-        grids = [k for k, e in spec.space.items() if "grid" in e]
-        if grids:
-            raise _origin_error(origin, f"search: optuna cannot sample grid keys ({grids[0]})")
-        try:
-            import optuna  # noqa: F401
-        except ImportError:
-            raise _origin_error(
-                origin, "search: optuna is not installed (pip install optuna)"
-            ) from None
-    name = spec.name or file.stem
-    if not re.fullmatch(RUN_NAME_PATTERN, name):
-        raise UserError(f"{path}: sweep name '{name}' must match {RUN_NAME_PATTERN}; set name:")
-    directory = sweep_directory(cfg.output_dir, name)
-    return Sweep(spec=spec, name=name, base=base, source=str(file.resolve()), directory=directory)
+
+
+def _check_optuna(origin: str, spec: SweepSpec) -> None:
+    grids = [k for k, e in spec.space.items() if "grid" in e]
+    if grids:
+        raise _origin_error(origin, f"search: optuna cannot sample grid keys ({grids[0]})")
+    try:
+        import optuna  # noqa: F401
+    except ImportError:
+        raise _origin_error(
+            origin, "search: optuna is not installed (pip install optuna)"
+        ) from None

@@ -1,0 +1,88 @@
+"""`submit`, `status`, `logs`, `stop` (Ray jobs on a cluster) and `cluster up`/`down` (the
+local autoscaling cluster)."""
+
+from __future__ import annotations
+
+from raytrain_lm.errors import UserError
+
+CLUSTER_COMMANDS = ("submit", "status", "logs", "stop", "cluster")
+STOP_OUTCOMES = {
+    "stopping": "stopping: the run checkpoints at its next step, then ends (resubmit to "
+    "resume); `raytrain-lm stop {job}` again ends it at once, without that checkpoint",
+    "forced": "ended at once: steps since the run's last checkpoint are lost",
+    "already finished": "already finished",
+}
+
+
+def run_cluster_command(args, short_overrides: list[str]) -> int:
+    if args.command == "submit":
+        args.set = [*args.set, *short_overrides]
+    elif short_overrides:
+        raise UserError(f"`{args.command}` takes no config overrides")
+    if args.command == "cluster":
+        return _cluster_up_or_down(args)
+
+    from raytrain_lm.clusters import jobs
+
+    if args.command == "submit":
+        return _submit(jobs, args)
+    if args.command == "status":
+        return _status(jobs, args)
+    if args.command == "logs":
+        return _logs(jobs, args)
+    return _stop(jobs, args)
+
+
+def _cluster_up_or_down(args) -> int:
+    from raytrain_lm.clusters import autoscaling
+
+    if args.cluster_command == "up":
+        state = autoscaling.up(args.config, args.dir)
+        print(f"local cluster up: Ray at {state['address']}, jobs at {state['dashboard']}")
+        print(f"  submit: raytrain-lm submit experiments/demo.yaml --address {state['dashboard']}")
+        print(f"  status: RAY_AUTH_MODE=token ray status --address {state['address']}")
+        print(f"  stop:   raytrain-lm cluster down --dir {args.dir}")
+        return 0
+    ended = autoscaling.down(args.dir)
+    print(f"local cluster down: ended {ended} processes")
+    return 0
+
+
+def _submit(jobs, args) -> int:
+    submitted = jobs.submit(
+        args.config, args.set, args.address, args.working_dir, args.storage, args.job_id
+    )
+    job, where = submitted["job_id"], submitted["address"]
+    print(f"submitted job {job} to {where}")
+    print(f"  entrypoint: {submitted['entrypoint']}")
+    print(f"  storage:     {submitted['storage']} (relative runs, data and mlflow.db)")
+    print(f"  follow logs: raytrain-lm logs {job} --follow --address {where}")
+    print(f"  state:       raytrain-lm status {job} --address {where}")
+    print(f"  stop:        raytrain-lm stop {job} --address {where}")
+    if args.follow:
+        jobs.logs(job, args.address, follow=True)
+        state = jobs.status(job, args.address)["status"]
+        print(f"job {job}: {state}")
+        return 0 if state == "SUCCEEDED" else 1
+    return 0
+
+
+def _status(jobs, args) -> int:
+    info = jobs.status(args.job_id, args.address)
+    print(
+        f"{info['job_id']}: {info['status']}" + (f" ({info['message']})" if info["message"] else "")
+    )
+    return 0
+
+
+def _logs(jobs, args) -> int:
+    text = jobs.logs(args.job_id, args.address, follow=args.follow)
+    if text is not None:
+        print(text, end="")
+    return 0
+
+
+def _stop(jobs, args) -> int:
+    outcome = jobs.stop(args.job_id, args.address)
+    print(f"{args.job_id}: " + STOP_OUTCOMES[outcome].format(job=args.job_id))
+    return 0
