@@ -19,7 +19,7 @@ from raytrain_lm.data.manifest import Manifest
 from raytrain_lm.generate import load_model
 
 # Text the run never trained on (it trained on the standard library): our own source.
-TEXT = Path(__file__).parents[1] / "raytrain_lm" / "trainer" / "launch.py"
+TEXT = Path(__file__).parents[1] / "raytrain_lm" / "trainer" / "driver" / "launch.py"
 
 
 def _by_hand(checkpoint: Path, data_dir: str) -> tuple[float, int]:
