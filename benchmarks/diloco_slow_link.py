@@ -62,8 +62,8 @@ from slow_link import SlowLink  # noqa: E402
 import raytrain_lm  # noqa: E402
 from raytrain_lm.clusters.multinode import SLOT, LocalCluster  # noqa: E402
 from raytrain_lm.config import load_config  # noqa: E402
+from raytrain_lm.run_events.journal import read_events  # noqa: E402
 from raytrain_lm.rundir import RunDir  # noqa: E402
-from raytrain_lm.runs.journal import read_events  # noqa: E402
 from raytrain_lm.trainer.components import stop_requests  # noqa: E402
 
 EVERY = "every"

@@ -177,7 +177,7 @@ def part_b(runs: Runs, dry_run: bool) -> dict:
 
 def part_c(runs: Runs, dry_run: bool) -> dict:
     """The embedded demo config on the GPU: 50 steps, as two invocations (stop at 25, resume)."""
-    from raytrain_lm.runs.journal import read_events
+    from raytrain_lm.run_events.journal import read_events
     from raytrain_lm.trainer.chaos import ENV_VAR
 
     steps = 6 if dry_run else 50

@@ -34,7 +34,7 @@ from raytrain_lm.clusters.multinode import (  # noqa: E402
     wait_for_event,
 )
 from raytrain_lm.config import load_config  # noqa: E402
-from raytrain_lm.runs.journal import read_events  # noqa: E402
+from raytrain_lm.run_events.journal import read_events  # noqa: E402
 
 TINY = [
     *TINY_MODEL,

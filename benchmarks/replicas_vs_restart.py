@@ -47,7 +47,7 @@ from raytrain_lm.clusters.multinode import (  # noqa: E402
     wait_for_event,
 )
 from raytrain_lm.config import load_config  # noqa: E402
-from raytrain_lm.runs.journal import read_events  # noqa: E402
+from raytrain_lm.run_events.journal import read_events  # noqa: E402
 from raytrain_lm.trainer import chaos  # noqa: E402
 
 BATCH = 12

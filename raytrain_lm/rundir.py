@@ -10,8 +10,8 @@ per object, and a checkpoint's marker written last.
 - `config.yaml`: the run's config, secrets redacted (driver, at every start);
 - `tokenizer.json`: the tokenizer the data was prepared with (driver);
 - `tracking.json`: which MLflow run and store belong to the run (driver);
-- `events/`: goodput's event log, one object per event (raytrain_lm/runs/goodput.py; any writer);
-- `heartbeat.json`: rank 0's progress, overwritten as it steps (raytrain_lm/runs/goodput.py);
+- `events/`: goodput's event log, one object per event (raytrain_lm/run_events/goodput.py; any writer);
+- `heartbeat.json`: rank 0's progress, overwritten as it steps (raytrain_lm/run_events/goodput.py);
 - `ledger/`: the sequence positions each rank consumed, one object per rank and interval;
 - `summary.json`: the figures of the finished run (driver);
 - `STOP`: a stop request from the driver, read by rank 0 (trainer/components/stop_requests.py);

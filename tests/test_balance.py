@@ -16,7 +16,7 @@ from raytrain_lm.config import TrainingConfig, load_config
 from raytrain_lm.data.ledger import read_ledger
 from raytrain_lm.data.stream import WorkerSlice
 from raytrain_lm.errors import UserError
-from raytrain_lm.runs.journal import read_events
+from raytrain_lm.run_events.journal import read_events
 from raytrain_lm.trainer.chaos import ENV_VAR
 from raytrain_lm.trainer.components.balance import (
     Speeds,

@@ -18,8 +18,8 @@ import raytrain_lm
 from raytrain_lm.config import load_config
 from raytrain_lm.data.ledger import read_ledger
 from raytrain_lm.errors import UserError
+from raytrain_lm.run_events.journal import read_events
 from raytrain_lm.rundir import RunDir
-from raytrain_lm.runs.journal import read_events
 from raytrain_lm.trainer import chaos
 
 GLOBAL_BATCH = 8

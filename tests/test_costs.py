@@ -153,7 +153,7 @@ def test_a_plan_calibrated_from_a_run_says_what_it_measured(learned_run, tmp_pat
     import torch
 
     from raytrain_lm.devices import peak_flops
-    from raytrain_lm.runs.journal import read_events
+    from raytrain_lm.run_events.journal import read_events
 
     catalog = tmp_path / "prices.yaml"
     peak = peak_flops(torch.device("cpu"))
@@ -192,7 +192,7 @@ def test_a_run_that_spends_its_budget_checkpoints_ends_and_resumes_exactly(
 
     import raytrain_lm
     from raytrain_lm.data.ledger import read_ledger
-    from raytrain_lm.runs.journal import read_events
+    from raytrain_lm.run_events.journal import read_events
     from raytrain_lm.trainer import chaos
 
     common, straight = world_size_runs["common"], world_size_runs["reference"]

@@ -16,7 +16,7 @@ from raytrain_lm.config import load_config
 from raytrain_lm.data.ledger import read_ledger
 from raytrain_lm.errors import UserError
 from raytrain_lm.models import build_model
-from raytrain_lm.runs.journal import read_events
+from raytrain_lm.run_events.journal import read_events
 from raytrain_lm.runtime import ensure_ray
 from raytrain_lm.trainer import chaos
 from raytrain_lm.trainer.syncs.diloco import DilocoWorker

@@ -23,9 +23,14 @@ from raytrain_lm.checkpoints import (
 from raytrain_lm.config import load_config
 from raytrain_lm.errors import UserError
 from raytrain_lm.model import GPT, GPTShape
+from raytrain_lm.run_events.goodput import summarize
+from raytrain_lm.run_events.journal import (
+    Heartbeat,
+    append_event,
+    close_previous_segment,
+    read_events,
+)
 from raytrain_lm.rundir import RunDir
-from raytrain_lm.runs.goodput import summarize
-from raytrain_lm.runs.journal import Heartbeat, append_event, close_previous_segment, read_events
 from raytrain_lm.runtime import check_schedulable
 from raytrain_lm.trainer import chaos
 from raytrain_lm.trainer.components.batch_plan import BatchPlan

@@ -11,7 +11,7 @@ import raytrain_lm
 from raytrain_lm.clusters.multinode import segments
 from raytrain_lm.config import load_config
 from raytrain_lm.data.ledger import read_ledger
-from raytrain_lm.runs.journal import read_events
+from raytrain_lm.run_events.journal import read_events
 from raytrain_lm.trainer.checkpointing.checkpoint_interval import interval_steps
 
 STEPS, BATCH = 8, 8

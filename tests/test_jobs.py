@@ -44,8 +44,8 @@ from support.jobs import (
 )
 
 from raytrain_lm.data.ledger import read_ledger
+from raytrain_lm.run_events.journal import read_events
 from raytrain_lm.rundir import RunDir
-from raytrain_lm.runs.journal import read_events
 from raytrain_lm.trainer.chaos import stop_pacing
 from raytrain_lm.trainer.driver.stopping import STOP_ACKNOWLEDGED
 

@@ -233,7 +233,7 @@ def test_a_second_train_of_a_running_name_is_refused_and_the_first_finishes_unto
     naming the first (exit 2), while the first, held at its first step, waits; released, the
     first finishes with one MLflow point per step and its checkpoints, as if alone."""
     from raytrain_lm.checkpoints import complete_checkpoints, read_state
-    from raytrain_lm.runs.journal import read_events
+    from raytrain_lm.run_events.journal import read_events
     from raytrain_lm.trainer import chaos
 
     overrides = [

@@ -13,7 +13,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError
 from ray.train.v2._internal.exceptions import WorkerHealthCheckFailedError
 from ray.train.v2._internal.execution.worker_group.poll import WorkerGroupPollStatus, WorkerStatus
 
-from raytrain_lm.runs.journal import read_events
+from raytrain_lm.run_events.journal import read_events
 from raytrain_lm.trainer.driver.replica_placement import ClusterView, ReplaceWhenPlaceable
 
 pytestmark = pytest.mark.no_ray

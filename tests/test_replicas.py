@@ -17,7 +17,7 @@ from raytrain_lm.clusters.multinode import Background, LocalCluster, wait_for_ev
 from raytrain_lm.config import load_config
 from raytrain_lm.data.ledger import read_ledger
 from raytrain_lm.errors import UserError
-from raytrain_lm.runs.journal import read_events
+from raytrain_lm.run_events.journal import read_events
 from raytrain_lm.trainer import chaos
 
 pytestmark = pytest.mark.chaos

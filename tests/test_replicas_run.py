@@ -14,7 +14,7 @@ import raytrain_lm
 from raytrain_lm.checkpoints import complete_checkpoints, read_state
 from raytrain_lm.config import load_config
 from raytrain_lm.data.ledger import read_ledger
-from raytrain_lm.runs.journal import read_events
+from raytrain_lm.run_events.journal import read_events
 
 
 def test_two_groups_take_ddps_steps_and_resume_from_their_checkpoint(world_size_runs, s3):

@@ -62,7 +62,7 @@ def test_replicas_refuses_what_it_cannot_do(overrides, message):
 def test_goodput_counts_each_replica_incident_once():
     """Every group records the change it saw; goodput counts one incident per step, with the
     survivors' longest gap, and the time until as many groups took part again."""
-    from raytrain_lm.runs.goodput import summarize
+    from raytrain_lm.run_events.goodput import summarize
 
     def change(t, step, group, now, before, gap):
         return {"event": "replicas_changed", "t": t, "step": step, "group": group,
@@ -106,7 +106,7 @@ def test_the_participants_types_and_prices_ride_in_the_steps_sum(kinds):
 def test_goodput_prices_a_replica_segment_by_the_groups_taking_part():
     """A replica segment costs what its participating groups cost, as they change: the
     chief's first `replica_price` from the segment's start, each later one from its time."""
-    from raytrain_lm.runs.goodput import summarize
+    from raytrain_lm.run_events.goodput import summarize
 
     def price(t, usd):
         return {"event": "replica_price", "t": t, "segment": "s", "price_per_hour": usd}

@@ -22,8 +22,8 @@ import raytrain_lm
 from raytrain_lm import cli
 from raytrain_lm.config import RunConfig
 from raytrain_lm.errors import UserError
+from raytrain_lm.run_events.journal import read_events
 from raytrain_lm.rundir import RunDir
-from raytrain_lm.runs.journal import read_events
 from raytrain_lm.runtime import check_schedulable, ensure_ray
 from raytrain_lm.sweeps import (
     SWEEP_FILE,

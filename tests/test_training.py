@@ -16,7 +16,7 @@ import raytrain_lm
 from raytrain_lm.clusters.multinode import segments
 from raytrain_lm.config import load_config
 from raytrain_lm.errors import find_user_error
-from raytrain_lm.runs.journal import read_events
+from raytrain_lm.run_events.journal import read_events
 
 
 def _run(overrides: list[str]) -> dict:
@@ -175,7 +175,7 @@ def test_resume_is_bit_for_bit(ray_session, tiny_overrides, tmp_path, monkeypatc
 
     from raytrain_lm.checkpoints import complete_checkpoints
     from raytrain_lm.data.ledger import read_ledger
-    from raytrain_lm.runs.journal import Heartbeat, read_events
+    from raytrain_lm.run_events.journal import Heartbeat, read_events
     from raytrain_lm.trainer import chaos
 
     common = [

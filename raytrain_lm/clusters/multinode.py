@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from raytrain_lm.runs.journal import read_events
+from raytrain_lm.run_events.journal import read_events
 from raytrain_lm.runtime import free_port, naming_api_server
 
 SLOT = "trainslot"

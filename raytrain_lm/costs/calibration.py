@@ -10,9 +10,9 @@ import math
 import statistics
 
 from raytrain_lm.costs.catalog import Catalog
+from raytrain_lm.run_events.goodput import summarize
+from raytrain_lm.run_events.journal import read_events
 from raytrain_lm.rundir import RunDir
-from raytrain_lm.runs.goodput import summarize
-from raytrain_lm.runs.journal import read_events
 
 
 def measured_inputs(run_dir: RunDir, catalog: Catalog) -> dict:

@@ -29,8 +29,8 @@ from raytrain_lm.data.order import SequenceOrder
 from raytrain_lm.data.stream import WorkerSlice, stream_train_batches
 from raytrain_lm.errors import UserError
 from raytrain_lm.models import build_model
-from raytrain_lm.runs.goodput import summarize
-from raytrain_lm.runs.journal import (
+from raytrain_lm.run_events.goodput import summarize
+from raytrain_lm.run_events.journal import (
     Heartbeat,
     HeartbeatWriter,
     append_event,

@@ -12,7 +12,7 @@ import threading
 import time
 from pathlib import Path
 
-from raytrain_lm.runs.journal import read_events
+from raytrain_lm.run_events.journal import read_events
 from raytrain_lm.trainer.driver.stopping import STOP_ACKNOWLEDGED
 from support.noise import noise_in
 

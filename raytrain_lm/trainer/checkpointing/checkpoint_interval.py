@@ -15,9 +15,9 @@ import math
 
 from raytrain_lm.costs.model import best_interval_s
 from raytrain_lm.costs.planner import DEFAULT_RECOVERY_S
+from raytrain_lm.run_events.goodput import summarize
+from raytrain_lm.run_events.journal import read_events
 from raytrain_lm.rundir import RunDir
-from raytrain_lm.runs.goodput import summarize
-from raytrain_lm.runs.journal import read_events
 
 PRIOR_HOURS = 24.0  # one interruption assumed per this many hours until the run has its own
 

@@ -16,9 +16,9 @@ from typing import Any
 
 from raytrain_lm.config import BudgetConfig
 from raytrain_lm.errors import UserError
+from raytrain_lm.run_events.goodput import summarize
+from raytrain_lm.run_events.journal import read_events
 from raytrain_lm.rundir import RunDir
-from raytrain_lm.runs.goodput import summarize
-from raytrain_lm.runs.journal import read_events
 from raytrain_lm.trainer.components.spot_first import DeadlineCapacity, slack_s
 from raytrain_lm.trainer.progress import announce
 

@@ -15,8 +15,8 @@ from raytrain_lm.checkpoints import prune_checkpoints, save_checkpoint, upload_c
 from raytrain_lm.config import to_yaml
 from raytrain_lm.data import ledger
 from raytrain_lm.placement import OnDemandRequests
+from raytrain_lm.run_events.journal import read_events
 from raytrain_lm.rundir import CONFIG_FILE, TOKENIZER_FILE
-from raytrain_lm.runs.journal import read_events
 from raytrain_lm.trainer import chaos
 from raytrain_lm.trainer.checkpointing.checkpoint_interval import interval_steps
 from raytrain_lm.trainer.components import stop_requests

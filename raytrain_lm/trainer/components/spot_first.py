@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from raytrain_lm.costs.planner import DEFAULT_RECOVERY_S
-from raytrain_lm.runs.goodput import summarize
+from raytrain_lm.run_events.goodput import summarize
 
 SPOT, ON_DEMAND = "spot", "on_demand"
 # The chief's decision to switch (with the figures it decided on), and, written by the driver

@@ -15,7 +15,7 @@ from typing import Any
 
 from ray.train import UserCallback
 
-from raytrain_lm.runs.journal import append_event, read_events
+from raytrain_lm.run_events.journal import append_event, read_events
 from raytrain_lm.trainer.components.stop_requests import REPLICAS_DONE
 from raytrain_lm.trainer.driver.capacity import refresh_capacity_view
 

@@ -14,8 +14,8 @@ from raytrain_lm.placement import (
     release_resource_requests,
     worker_resources,
 )
+from raytrain_lm.run_events.journal import read_events
 from raytrain_lm.rundir import RAY_TRAIN_SNAPSHOT, RunDir
-from raytrain_lm.runs.journal import read_events
 from raytrain_lm.runtime import use_gpu
 from raytrain_lm.trainer.components import stop_requests
 from raytrain_lm.trainer.components.spot_first import ON_DEMAND, current_market

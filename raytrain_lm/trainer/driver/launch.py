@@ -30,6 +30,7 @@ from raytrain_lm.data.prepare import prepare
 from raytrain_lm.errors import UserError
 from raytrain_lm.huggingface import apply_init_from
 from raytrain_lm.placement import pin_ray_data_actors_here, withdrawn_at_exit
+from raytrain_lm.run_events.journal import append_event, read_events
 from raytrain_lm.rundir import (
     CONFIG_FILE,
     SUMMARY_FILE,
@@ -39,7 +40,6 @@ from raytrain_lm.rundir import (
     is_uri,
 )
 from raytrain_lm.runlease import RunLease
-from raytrain_lm.runs.journal import append_event, read_events
 from raytrain_lm.runtime import ensure_ray
 from raytrain_lm.storage import check_writable
 from raytrain_lm.tokenization import load_tokenizer

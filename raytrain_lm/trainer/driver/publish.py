@@ -19,9 +19,9 @@ from raytrain_lm.checkpoints import (
     latest_complete_checkpoint,
     read_state,
 )
+from raytrain_lm.run_events.goodput import summarize
+from raytrain_lm.run_events.journal import close_previous_segment, read_events
 from raytrain_lm.rundir import SUMMARY_FILE, TOKENIZER_FILE, RunDir
-from raytrain_lm.runs.goodput import summarize
-from raytrain_lm.runs.journal import close_previous_segment, read_events
 from raytrain_lm.storage import Location
 from raytrain_lm.trainer.spec import WorkerSpec
 

@@ -29,7 +29,7 @@ from typing import Any
 
 from ray.train.v2._internal.execution.callback import WorkerGroupCallback
 
-from raytrain_lm.runs.journal import append_event
+from raytrain_lm.run_events.journal import append_event
 
 logger = logging.getLogger(__name__)
 

@@ -42,7 +42,7 @@ from raytrain_lm.checkpoints import TrainState, latest_complete_checkpoint, read
 from raytrain_lm.data import ledger
 from raytrain_lm.data.stream import StepStream, WorkerSlice
 from raytrain_lm.errors import UserError
-from raytrain_lm.runs.journal import Heartbeat
+from raytrain_lm.run_events.journal import Heartbeat
 from raytrain_lm.tracking.interface import Tracker
 from raytrain_lm.trainer import chaos
 from raytrain_lm.trainer.checkpointing.chief_uploads import ChiefUploads
@@ -548,7 +548,7 @@ class ReplicaWorker(Worker):
     def _heartbeat(self) -> None:
         if self.is_chief:
             if self.heartbeats is None:
-                from raytrain_lm.runs.journal import HeartbeatWriter
+                from raytrain_lm.run_events.journal import HeartbeatWriter
 
                 self.heartbeats = HeartbeatWriter(self.run_dir)
             self.heartbeats.put(self._beat())

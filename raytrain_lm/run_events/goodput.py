@@ -60,7 +60,6 @@ class Goodput:
         return out
 
 
-
 def summarize(events: list[dict[str, Any]], now: float | None = None) -> Goodput:
     """Goodput over every worker group in `events`; an open last group counts up to `now`."""
     g = Goodput(preemptions=sum(e["event"] == "preemption" for e in events))
