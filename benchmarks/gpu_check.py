@@ -142,8 +142,8 @@ def synthetic_batches(
 
 
 class OurLoop:
-    """Our training step as the worker loop drives it (trainer/entry.py, `_take_step` and
-    `_read_pending`): a seed and a learning rate per step, `train_step` on this rank's share,
+    """Our training step as the worker loop drives it (trainer/worker.py and
+    syncs/every_step.py): a seed and a learning rate per step, `train_step` on this rank's share,
     the loss and grad norm queued on the device, the stop flags shared, values read only at
     steps that log. Sharded (fsdp, hsdp) as the worker does it: its rank layout and meshes,
     a tensor-parallel group reading one share of the data together."""

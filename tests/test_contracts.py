@@ -26,13 +26,6 @@ PER_WORKER_ENTRIES = {
     "raytrain_lm/trainer/ray_side.py",
     "raytrain_lm/trainer/eval_entry.py",
 }
-# The subclass tower the composed loop replaces whole (issue 45, branch wip-issue-45): each
-# entry leaves this list when its module goes, and the test fails if one stays behind.
-OVER_MAX_UNTIL_COMPOSED = {
-    "raytrain_lm/trainer/worker.py",
-    "raytrain_lm/trainer/groups/replicas.py",
-    "raytrain_lm/trainer/syncs/diloco.py",
-}
 
 
 def _run(*command: str) -> subprocess.CompletedProcess:
@@ -109,7 +102,5 @@ def test_no_module_is_over_400_lines():
         path.relative_to(ROOT).as_posix(): len(path.read_text().splitlines())
         for path in PACKAGE.rglob("*.py")
     }
-    over = {name for name, lines in sizes.items() if lines > MAX_LINES}
-    assert over <= OVER_MAX_UNTIL_COMPOSED, {n: sizes[n] for n in over - OVER_MAX_UNTIL_COMPOSED}
-    # An entry whose module was split or removed must leave the list.
-    assert over >= OVER_MAX_UNTIL_COMPOSED, sorted(OVER_MAX_UNTIL_COMPOSED - over)
+    over = {name: lines for name, lines in sizes.items() if lines > MAX_LINES}
+    assert not over, over

@@ -1,9 +1,11 @@
-"""`parallel.sync=diloco` (trainer/syncs/diloco.py) on the session's Ray, with no incident: DiLoCo that
-syncs every step with a plain outer step is every-step sync; with H=4, rounds of 4 steps, every
-position once, duties at round ends, and a quarter of the bytes per token; Streaming DiLoCo's
-commit units; and a Streaming DiLoCo group killed between two fragment syncs."""
+"""`parallel.sync=diloco` (trainer/syncs/diloco.py) on the session's Ray, with no incident:
+DiLoCo that syncs every step with a plain outer step is every-step sync; with H=4, rounds of 4
+steps, every position once, duties at round ends, and a quarter of the bytes per token;
+Streaming DiLoCo's commit units; and a Streaming DiLoCo group killed between two fragment syncs."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import mlflow
 import pytest
@@ -19,8 +21,9 @@ from raytrain_lm.models import build_model
 from raytrain_lm.run_events.journal import read_events
 from raytrain_lm.runtime import ensure_ray
 from raytrain_lm.trainer import chaos
-from raytrain_lm.trainer.syncs.diloco import DilocoWorker
+from raytrain_lm.trainer.groups.membership import Membership
 from raytrain_lm.trainer.syncs.diloco_parts import model_fragments, unit_schedule
+from raytrain_lm.trainer.syncs.leavers import Leavers
 
 H = 4
 
@@ -202,15 +205,13 @@ def test_a_group_killed_between_syncs_loses_no_sequence_and_the_survivor_goes_on
     assert list(run_dir.glob("fault-fired-kill-in-round-11-1")), "group 1 was not killed"
 
 
-class _Group:
-    """What DilocoWorker's planning after a committed round reads of a group."""
-
-    is_chief = property(lambda self: self.participant == 0)
-    _plan_without_leavers = DilocoWorker._plan_without_leavers
-
-    def __init__(self, participant: int, participants: int):
-        self.participant, self.participants = participant, participants
-        self.leaves_after_round = False
+def _planned(participant: int, participants: int, leavers: list[float]) -> tuple:
+    """A group's place after a committed unit whose sums said who leaves (syncs/leavers.py)."""
+    members = Membership(participant, 3)
+    members.participant, members.participants = participant, participants
+    plan = Leavers(SimpleNamespace(members=members))
+    plan.plan_without(leavers)
+    return members.participant, members.participants, plan.leaves_after_round
 
 
 def test_groups_close_up_around_a_drained_one_and_the_chief_ends_an_all_drained_run():
@@ -218,24 +219,16 @@ def test_groups_close_up_around_a_drained_one_and_the_chief_ends_an_all_drained_
     take places 0 and 1 of two. Every group drained: the chief plans to be the last group (it
     checkpoints and the run restarts elsewhere), the others leave. Nobody drained: nothing
     changes."""
-    groups = [_Group(p, 3) for p in range(3)]
-    for group in groups:
-        group._plan_without_leavers([0.0, 1.0, 0.0])
-    assert [(g.participant, g.participants, g.leaves_after_round) for g in groups] == [
+    assert [_planned(p, 3, [0.0, 1.0, 0.0]) for p in range(3)] == [
         (0, 2, False),
         (None, 3, True),
         (1, 2, False),
     ]
-    groups = [_Group(p, 2) for p in range(2)]
-    for group in groups:
-        group._plan_without_leavers([1.0, 1.0, 0.0])
-    assert [(g.participant, g.participants, g.leaves_after_round) for g in groups] == [
+    assert [_planned(p, 2, [1.0, 1.0, 0.0]) for p in range(2)] == [
         (0, 1, True),
         (None, 2, True),
     ]
-    group = _Group(1, 2)
-    group._plan_without_leavers([0.0, 0.0])
-    assert (group.participant, group.participants, group.leaves_after_round) == (1, 2, False)
+    assert _planned(1, 2, [0.0, 0.0]) == (1, 2, False)
 
 
 def test_streaming_units_sync_each_fragment_once_per_round_and_fragments_balance():

@@ -1,7 +1,7 @@
-"""torchft at arm's length (raytrain_lm/trainer/groups/torchft_adapter.py): the private attributes we
-use are still there, on a real Manager (with a real Lighthouse and store) and a real DiLoCo;
-and a torchft without them fails with a message that names them, not an AttributeError deep in
-a step."""
+"""torchft at arm's length (raytrain_lm/trainer/groups/torchft_adapter.py): the private
+attributes we use are still there, on a real Manager (with a real Lighthouse and store), a real
+DiLoCo and LocalSGD; and a torchft without them fails with a message that names them, not an
+AttributeError deep in a step."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def manager():
 
 
 def test_the_installed_torchft_has_what_the_adapter_uses(manager):
-    from torchft.local_sgd import DiLoCo
+    from torchft.local_sgd import DiLoCo, LocalSGD
 
     torchft_adapter.check_manager(manager)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
@@ -56,6 +56,12 @@ def test_the_installed_torchft_has_what_the_adapter_uses(manager):
     )  # fmt: skip
     torchft_adapter.check_diloco(diloco)
     assert len(torchft_adapter.diloco_fragments(diloco)) == 2
+    local_sgd = LocalSGD(manager, model, inner, sync_every=4)
+    torchft_adapter.check_local_sgd(local_sgd)
+    # One group in the quorum: the average is the group's own weights.
+    manager.start_quorum()
+    averaged = torchft_adapter.average_parameters(local_sgd)
+    assert all(torch.equal(a, p) for a, p in zip(averaged, model.parameters(), strict=True))
     torchft_adapter.forget_failed_quorum(manager)
     torchft_adapter.forget_failed_sync(manager)
     assert manager._quorum_future is None and manager._errored is None
@@ -69,3 +75,5 @@ def test_a_torchft_without_them_is_named_in_the_error():
     renamed = SimpleNamespace(_fragments=[SimpleNamespace(prepare_sync=print)])
     with pytest.raises(RuntimeError, match=r"DiLoCo fragment\.perform_sync"):
         torchft_adapter.check_diloco(renamed)
+    with pytest.raises(RuntimeError, match=r"lacks LocalSGD\._average"):
+        torchft_adapter.check_local_sgd(SimpleNamespace())

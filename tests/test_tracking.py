@@ -212,11 +212,9 @@ def test_tracker_buffers_while_the_server_is_down(server):
 def test_a_chief_that_hands_over_stores_its_steps_first(server):
     """A replica groups' chief logs step 2 while the store is away, so the row waits out the
     tracker's backoff. The store comes back and a group that joined becomes chief: as the old
-    chief takes its new place it stores what it logged (trainer/groups/replicas.py), before the new
-    chief logs the steps the store lacks, so no step is logged twice."""
-    from types import SimpleNamespace
-
-    from raytrain_lm.trainer.groups.replicas import ReplicaWorker
+    chief takes its new place it stores what it logged (trainer/groups/membership.py), before
+    the new chief logs the steps the store lacks, so no step is logged twice."""
+    from raytrain_lm.trainer.groups.membership import Membership
 
     old = MLflowTracker.start(server.uri, "handover", "chief", None)
     new = MLflowTracker.start(server.uri, "handover", "chief", old.run_id)
@@ -227,8 +225,9 @@ def test_a_chief_that_hands_over_stores_its_steps_first(server):
     old.flush()  # one failed attempt: the row waits for the store and a retry
     assert old.stored_through == 1
     server.start()
-    chief = SimpleNamespace(_participant=0, tracker=old)
-    ReplicaWorker.participant.fset(chief, 1)  # the quorum that put the joiner first
+    members = Membership(group=0, groups=2)
+    members.hands_over = old.flush  # as a replica group's tracker is wired (groups/replicas.py)
+    members.participant = 1  # the quorum that put the joiner first
     assert old.stored_through == 2
     new.log_missing([(1, {"train/loss": 1.0}), (2, {"train/loss": 0.5})])
     new.finish()

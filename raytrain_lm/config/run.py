@@ -89,9 +89,10 @@ class RunConfig(_Section):
         if self.scaling.fault_tolerance == "replicas":
             self._replicas_fit()
             return self
-        if self.parallel.sync == "diloco":
+        if self.parallel.in_rounds:
             raise ValueError(
-                "parallel.sync=diloco syncs replica groups: set scaling.fault_tolerance=replicas"
+                f"parallel.sync={self.parallel.sync} syncs replica groups: set "
+                "scaling.fault_tolerance=replicas"
             )
         if self.scaling.balance != "none":
             self._balanced_shares_fit()
@@ -222,16 +223,21 @@ class RunConfig(_Section):
                 "scaling.fault_tolerance=replicas keeps a whole model in every group: use "
                 "parallel.strategy=ddp (sharding inside a group comes with hybrid sharding)"
             )
-        if self.parallel.sync == "diloco":
-            self._diloco_fits()
+        if self.parallel.in_rounds:
+            self._rounds_fit()
         if self.scaling.balance == "auto":
             raise ValueError(
                 "scaling.balance=auto measures a fixed group of ranks; with "
                 "scaling.fault_tolerance=replicas give weights by type, e.g. {A100: 3, L4: 1}"
             )
 
-    def _diloco_fits(self) -> None:
+    def _rounds_fit(self) -> None:
         diloco = self.diloco
+        if self.parallel.sync == "local_sgd" and (diloco.fragments > 1 or diloco.quantize):
+            raise ValueError(
+                "parallel.sync=local_sgd averages the whole model at each round's end: "
+                "diloco.fragments and diloco.quantize are DiLoCo's (parallel.sync=diloco)"
+            )
         if diloco.fragments > 1 and diloco.sync_every % diloco.fragments:
             raise ValueError(
                 f"diloco.fragments={diloco.fragments} sync in turn, one every "
@@ -246,5 +252,6 @@ class RunConfig(_Section):
         if isinstance(self.scaling.balance, dict):
             raise ValueError(
                 "scaling.balance splits every step by the groups' types; with "
-                "parallel.sync=diloco each group's share is set for a whole round: use none"
+                f"parallel.sync={self.parallel.sync} each group's share is set for a whole "
+                "round: use none"
             )

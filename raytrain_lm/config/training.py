@@ -64,7 +64,8 @@ class TrainingConfig(_Section):
 
 
 class ParallelConfig(_Section):
-    """How the model is spread over the workers (trainer/distributed/parallel.py; docs/parallelism.md)."""
+    """How the model is spread over the workers (trainer/distributed/parallel.py;
+    docs/parallelism.md)."""
 
     strategy: Literal["ddp", "fsdp", "hsdp", "auto"] = Field(
         "ddp",
@@ -88,10 +89,11 @@ class ParallelConfig(_Section):
     reshard_after_forward: bool = Field(
         True, description="fsdp: free gathered weights after forward (gather again for backward)"
     )
-    sync: Literal["every_step", "diloco"] = Field(
+    sync: Literal["every_step", "diloco", "local_sgd"] = Field(
         "every_step",
-        description="replica groups: average gradients every step, or DiLoCo (the change of "
-        "the weights every diloco.sync_every steps, for slow links between groups)",
+        description="replica groups: average gradients every step, or rounds of "
+        "diloco.sync_every steps for slow links between groups: DiLoCo (an outer optimizer "
+        "steps on the averaged change of the weights) or LocalSGD (the weights averaged)",
     )
     auto_state_fraction: float = Field(
         0.6,
@@ -99,3 +101,9 @@ class ParallelConfig(_Section):
         le=1.0,
         description="auto: share of a device that weights + gradients + AdamW may take under ddp",
     )
+
+    @property
+    def in_rounds(self) -> bool:
+        """Whether replica groups train rounds alone between syncs (diloco, local_sgd), with
+        the `diloco` section's settings, rather than syncing every step."""
+        return self.sync != "every_step"

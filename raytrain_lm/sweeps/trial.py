@@ -5,8 +5,8 @@ The trial is an ordinary training run (its own run directory, checkpoints, elast
 fault budgets), so a trial restarted for any reason (a preempted node, an errored trial
 retried by Tune, a restored sweep) resumes from its own last complete checkpoint. Its Ray
 Train reports reach Tune through `ReportToTune` (replica groups' chief puts its own in the
-same queue: `ReplicaWorker._publish_checkpoint`), each with a Tune checkpoint that only points
-at the Train checkpoint; under PBT a trial told to copy another adopts that trial's
+same queue: trainer/checkpointing/chief_uploads.py), each with a Tune checkpoint that only
+points at the Train checkpoint; under PBT a trial told to copy another adopts that trial's
 checkpoint before it starts (`_adopt`).
 """
 

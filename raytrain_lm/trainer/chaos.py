@@ -218,6 +218,7 @@ class SyncCounter:
     """
 
     METHODS = ("item", "tolist", "__float__", "__int__", "__bool__", "__index__")
+    armed = True
 
     def __init__(self, device=None) -> None:
         import torch
@@ -291,8 +292,23 @@ class SyncCounter:
         return found
 
 
-def sync_counter(fault: Fault | None, device=None) -> SyncCounter | None:
+class NoSyncCounter:
+    """Without `count-syncs`: the loop's calls count nothing."""
+
+    armed = False
+
+    def close_step(self, step: int) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
+
+    def close_read(self, step: int) -> None:
+        pass
+
+
+def sync_counter(fault: Fault | None, device=None) -> SyncCounter | NoSyncCounter:
     """With `count-syncs`, a counter installed in this process (a worker on `device`)."""
     if find(fault, "count-syncs") is None:
-        return None
+        return NoSyncCounter()
     return SyncCounter(device)

@@ -1,11 +1,10 @@
 """`train_loop_per_worker`: what Ray Train runs in each worker (Ray's own pattern: restore
-first, then step, then report).
+first, then step, then report). The one place a run's mode is chosen: the group from
+`scaling.fault_tolerance`, the sync from `parallel.sync` (GROUPS, SYNCS), each built from its
+own settings; the loop (worker.py) is the same for all.
 
-With ray_side.py (`RaySide`, everything else a worker asks of Ray), the only module that calls
-Ray Train's per-worker API (`ray.train.get_context`, `get_checkpoint`, `report`,
-`get_preemption_info`, `ray.train.torch.get_device`), beside `eval_entry.py`, the worker
-function of `raytrain-lm eval` (context and device only). The loop itself is worker.py, plain
-PyTorch and files.
+With ray_side.py, the only module here that calls Ray Train's per-worker API; `raytrain-lm
+eval`'s worker function is eval_entry.py.
 """
 
 from __future__ import annotations
@@ -15,12 +14,17 @@ import time
 
 import ray
 import ray.train
-import ray.train.torch
 
 from raytrain_lm.trainer.distributed.collectives import pin_gloo_interface
+from raytrain_lm.trainer.groups.replicas import ReplicaGroup
+from raytrain_lm.trainer.groups.static import StaticGroup
 from raytrain_lm.trainer.ray_side import RaySide
 from raytrain_lm.trainer.spec import WorkerSpec
 from raytrain_lm.trainer.storage_checks import check_worker_sees
+from raytrain_lm.trainer.syncs import SYNCS
+from raytrain_lm.trainer.worker import Worker
+
+GROUPS = {"restart": StaticGroup, "replicas": ReplicaGroup}
 
 
 def train_loop_per_worker(spec: WorkerSpec) -> None:
@@ -29,17 +33,12 @@ def train_loop_per_worker(spec: WorkerSpec) -> None:
     context = ray.train.get_context()
     pin_gloo_interface(ray.util.get_node_ip_address())  # before any gloo group (the flags')
     check_worker_sees(str(spec.run_dir), spec.data_dir, spec.config.output_dir)
-    if spec.config.parallel.sync == "diloco":
-        from raytrain_lm.trainer.syncs.diloco import DilocoWorker as Worker
-    elif spec.config.scaling.fault_tolerance == "replicas":
-        from raytrain_lm.trainer.groups.replicas import ReplicaWorker as Worker
-    else:
-        from raytrain_lm.trainer.worker import Worker
+    cfg = spec.config
     side = RaySide(context.get_local_world_size())
-    worker = Worker(spec, side, context.get_world_rank(), context.get_world_size(), t_start)
-    worker.restore(ray.train.get_checkpoint())
-    worker.start()
-    worker.train()
+    group = GROUPS[cfg.scaling.fault_tolerance](
+        spec, side, context.get_world_rank(), context.get_world_size()
+    )
+    Worker(spec, side, group, SYNCS[cfg.parallel.sync], t_start).run()
 
 
 def _quiet_ray_train_info_logs() -> None:

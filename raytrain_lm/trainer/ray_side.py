@@ -113,3 +113,8 @@ class RaySide:
             checkpoint_upload_fn=upload_fn,
             delete_local_checkpoint_after_upload=True,
         )
+
+    @staticmethod
+    def offered_checkpoint():
+        """The checkpoint Ray Train offers this group (normally one of the run's own)."""
+        return ray.train.get_checkpoint()

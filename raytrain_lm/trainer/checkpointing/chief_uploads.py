@@ -19,20 +19,23 @@ POINTER_FILE = "train_checkpoint.json"
 
 
 class ChiefUploads:
-    def __init__(self, upload: Callable[[Path, str], str], reports: Any | None):
-        self.upload = upload  # (local folder, name) -> where it went
+    def __init__(self, reports: Any | None):
         self.reports = reports  # the trial's queue to Tune, in a sweep
         self.threads: list[threading.Thread] = []
 
-    def publish(self, local: Path, name: str, report: dict[str, float], wait: bool) -> None:
+    def publish(
+        self, local: Path, name: str, report: dict[str, float], wait: bool,
+        upload: Callable[[Path, str], str],
+    ) -> None:  # fmt: skip
+        """`upload`: (local folder, name) -> where it went."""
         previous = self.threads[-1] if self.threads else None
         if wait:
             self.join()
-            self._upload_and_report(local, name, report, None)
+            self._upload_and_report(upload, local, name, report, None)
             return
         thread = threading.Thread(
             target=self._upload_and_report,
-            args=(local, name, report, previous),
+            args=(upload, local, name, report, previous),
             name="upload",
             daemon=True,
         )
@@ -44,10 +47,11 @@ class ChiefUploads:
             thread.join()
 
     def _upload_and_report(
-        self, local: Path, name: str, report: dict[str, float], previous: threading.Thread | None
-    ) -> None:
+        self, upload, local: Path, name: str, report: dict[str, float],
+        previous: threading.Thread | None,
+    ) -> None:  # fmt: skip
         try:
-            location = self.upload(local, name)
+            location = upload(local, name)
         except OSError as exc:
             announce(f"checkpoint {name} was not uploaded: {exc}")
             return

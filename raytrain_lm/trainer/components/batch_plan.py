@@ -14,9 +14,10 @@ from raytrain_lm.config import TrainingConfig
 class BatchPlan:
     """Each rank's share of the global batch and how it splits into forward passes.
 
-    Shares are equal unless `scaling.balance` weights them by speed (trainer/components/balance.py). The
-    step's gradient is the mean over the global batch's tokens whatever the shares, because
-    each forward pass's loss is weighted by its part of the global batch (step.py).
+    Shares are equal unless `scaling.balance` weights them by speed
+    (trainer/components/balance.py). The step's gradient is the mean over the global batch's
+    tokens whatever the shares, because each forward pass's loss is weighted by its part of the
+    global batch (step.py).
     """
 
     world_size: int
@@ -119,3 +120,8 @@ def learning_rate(step: int, lr: float, min_lr: float, warmup: int, decay: int) 
     ratio = (step - warmup) / max(1, decay - warmup)
     coeff = 0.5 * (1.0 + math.cos(math.pi * ratio))
     return min_lr + coeff * (lr - min_lr)
+
+
+def share_metrics(plan: BatchPlan) -> dict[str, float]:
+    """Each rank's share of the global batch, as the tracker logs it."""
+    return {f"plan/rank{r}_share": float(n) for r, n in enumerate(plan.shares)}

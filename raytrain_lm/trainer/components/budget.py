@@ -46,7 +46,7 @@ class BudgetGuard:
         self.first_start = min(starts) if starts else time.time()
         self.warned: set[str] = set()
         self.capacity: DeadlineCapacity | None = (
-            None  # scaling.capacity=spot_first (group_endings.py)
+            None  # scaling.capacity=spot_first (groups/static.py)
         )
 
     def spent(self, segment_events: list[dict[str, Any]], now: float) -> float:

@@ -48,6 +48,23 @@ class Every:
             return True
         return False
 
+    def count_from(self, step: int) -> None:
+        """A cadence that crosses multiples counts from `step` (a group joined there)."""
+        self._last_step = step
+
+
+@dataclass(frozen=True)
+class Reads:
+    """What a step reads: its metrics for the log, the validation loss, a checkpoint."""
+
+    log: bool
+    eval: bool
+    checkpoint: bool
+
+    @property
+    def any(self) -> bool:
+        return self.log or self.eval or self.checkpoint
+
 
 @dataclass(frozen=True)
 class Flags:
@@ -78,6 +95,12 @@ class Cadences:
             eval=Every(steps=cfg.training.eval_every, at_end=True),
             checkpoint=Every(steps=first_checkpoint_interval(cfg), at_end=True),
         )
+
+    def reads(self, step: int, end_step: int) -> Reads:
+        """Which of the reads are due at `step` (each cadence asked once per step)."""
+        log = self.log.due(step, end_step)
+        evaluate = self.eval.due(step, end_step)
+        return Reads(log, evaluate, self.checkpoint.due(step, end_step))
 
 
 def first_checkpoint_interval(cfg: RunConfig) -> int:

@@ -1,6 +1,5 @@
-"""torchft for replica groups (replicas.py): the Lighthouse's settings, this group's
-`Manager` (a quorum before every step, healing from a peer, the commit vote), and the chief-only
-views of the tracker and the progress line that every group holds.
+"""torchft for replica groups (replicas.py): the Lighthouse's settings and address, and this
+group's `Manager` (a quorum before every step, healing from a peer, the commit vote).
 """
 
 from __future__ import annotations
@@ -10,18 +9,13 @@ import os
 import time
 import warnings
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from raytrain_lm.config import RunConfig
-from raytrain_lm.tracking.interface import Tracker
-from raytrain_lm.trainer import chaos
 from raytrain_lm.trainer.groups import torchft_adapter
-from raytrain_lm.trainer.progress import ProgressBar, announce
-
-if TYPE_CHECKING:
-    from raytrain_lm.trainer.groups.replicas import ReplicaWorker
+from raytrain_lm.trainer.progress import announce
 
 
 def lighthouse_settings(cfg: RunConfig) -> dict[str, Any]:
@@ -37,17 +31,17 @@ def lighthouse_settings(cfg: RunConfig) -> dict[str, Any]:
 
 
 def join_timeout_s(cfg: RunConfig) -> float:
-    """How long a quorum waits for live groups that have not asked yet. Under DiLoCo groups
+    """How long a quorum waits for live groups that have not asked yet. In rounds groups
     reach a sync apart by their speeds over a whole round, not one step."""
-    if cfg.parallel.sync == "diloco":
+    if cfg.parallel.in_rounds:
         return max(cfg.replicas.join_timeout_s, cfg.diloco.join_timeout_s)
     return cfg.replicas.join_timeout_s
 
 
 def quorum_timeout_s(cfg: RunConfig) -> float:
-    """One attempt at a quorum; under DiLoCo it outlasts the Lighthouse's wait for groups
+    """One attempt at a quorum; in rounds it outlasts the Lighthouse's wait for groups
     still in their round, so that waiting for them is not taken for a failed attempt."""
-    if cfg.parallel.sync == "diloco":
+    if cfg.parallel.in_rounds:
         return max(cfg.replicas.quorum_timeout_s, join_timeout_s(cfg) + 10)
     return cfg.replicas.quorum_timeout_s
 
@@ -284,57 +278,3 @@ class Quorum:
 
     def commit(self) -> bool:
         return self.manager.should_commit()
-
-
-class ChiefTracker:
-    """Every group holds a tracker; only the current chief's calls reach MLflow.
-
-    What the chief logged is stored by its tracker in the background, so a chief that dies
-    takes its unsent metrics with it. Every group therefore keeps what it would have logged
-    until the chief says, in a step's sums, that its store holds it (`confirm`); a group that
-    becomes chief logs what it kept where the store lacks it (`MLflowTracker.log_missing`):
-    each step once, whoever logged it."""
-
-    def __init__(self, tracker: Tracker, worker: ReplicaWorker):
-        self.tracker, self.worker = tracker, worker
-        self.kept: list[tuple[int, dict[str, float], bool]] = []  # (step, metrics, logged)
-
-    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        speaks = self.worker.speaks_for_run
-        if speaks:
-            unlogged = [(s, m) for s, m, logged in self.kept if not logged]
-            if unlogged:  # another chief's steps: the store may lack some
-                self.tracker.log_missing(unlogged)
-                self.kept = [(s, m, True) for s, m, _ in self.kept]
-            self.tracker.log_metrics(metrics, step=step)
-            chaos.maybe_kill_chief(self.worker.spec.fault, self.worker.run_dir, step)
-        self.kept.append((step, metrics, speaks))
-
-    @property
-    def stored_through(self) -> int:
-        """What this group, as chief, tells the others its store holds (-1: nothing)."""
-        return self.tracker.stored_through
-
-    def confirm(self, stored_through: int) -> None:
-        """The chief's store holds every step up to `stored_through`: forget them."""
-        self.kept = [row for row in self.kept if row[0] > stored_through]
-
-    def handover(self) -> list[tuple[int, dict[str, float]]]:
-        """What a group healing from this one keeps in its place (not logged by it)."""
-        return [(step, metrics) for step, metrics, _ in self.kept]
-
-    def adopt(self, kept: list[tuple[int, dict[str, float]]]) -> None:
-        self.kept = [(step, metrics, False) for step, metrics in kept]
-
-    def flush(self) -> None:
-        self.tracker.flush()
-
-
-class ChiefProgress(ProgressBar):
-    def __init__(self, worker: ReplicaWorker, *args):
-        super().__init__(*args)
-        self.worker = worker
-
-    def update(self, step: int, metrics: dict[str, float], force: bool = False) -> None:
-        if self.worker.speaks_for_run:
-            super().update(step, metrics, force)

@@ -3,8 +3,9 @@
 torchft 0.2 has no public way to do these; its current source (meta-pytorch/torchft, read
 2026-12-06) still has none. Each function says why we need it and what it touches. The
 `check_*` functions fail with a message naming what changed when an installed torchft no
-longer has it: replica groups call them on their own Manager and DiLoCo as they build them,
-and tests/test_torchft_adapter.py on real ones, so a newer torchft fails there first.
+longer has it: replica groups call them on their own Manager, DiLoCo and LocalSGD as they
+build them, and tests/test_torchft_adapter.py on real ones, so a newer torchft fails there
+first.
 """
 
 from __future__ import annotations
@@ -36,6 +37,13 @@ def diloco_fragments(diloco: Any) -> list[Any]:
     return diloco._fragments
 
 
+def average_parameters(local_sgd: Any) -> list[Any]:
+    """`LocalSGD._average`: the model's parameters averaged over the quorum. Its public `sync`
+    would also form a quorum and commit on its own; our rounds form the quorum and vote
+    themselves, after checking that every position was taken once (syncs/rounds.py)."""
+    return local_sgd._average()
+
+
 def check_manager(manager: Any) -> None:
     _raise_if_missing(
         [f"Manager.{name}" for name in ("_quorum_future", "_errored") if not hasattr(manager, name)]
@@ -53,6 +61,12 @@ def check_diloco(diloco: Any) -> None:
         if not callable(getattr(fragment, name, None))
     ]
     _raise_if_missing(missing)
+
+
+def check_local_sgd(local_sgd: Any) -> None:
+    _raise_if_missing(
+        [] if callable(getattr(local_sgd, "_average", None)) else ["LocalSGD._average"]
+    )
 
 
 def _raise_if_missing(missing: list[str]) -> None:

@@ -1,7 +1,7 @@
-"""The parts `DilocoWorker` (diloco.py) is built from: the Manager as DiLoCo's fragments see it
-(counting bytes), what a checkpoint holds of the optimizers, and for Streaming DiLoCo
-(`diloco.fragments` > 1, Douillard et al., arXiv 2501.18512) the model's fragments, where in
-a commit unit each fragment syncs, and the weights of the unit's start that a failed unit goes
+"""The parts DiLoCo's outer update (diloco.py) is built from: the Manager as DiLoCo's fragments
+see it (counting bytes), what a checkpoint holds of the optimizers, and for Streaming DiLoCo
+(`diloco.fragments` > 1, Douillard et al., arXiv 2501.18512) the model's fragments, where in a
+commit unit each fragment syncs, and the weights of the unit's start that a failed unit goes
 back to.
 
 Streaming DiLoCo syncs one fragment of the model at a time, in turn, so that the link carries
