@@ -99,7 +99,7 @@ class Worker:
             for record in sync.advance():
                 progress.advance(record)
             step = progress.step
-            flags = sync.flags(group.flags(step))
+            flags = sync.flags(group, step)
             if every.heartbeat.due(step, end) and group.is_chief:
                 parts.journal.heartbeat(step, self._unread_s())
             reads = every.reads(step, end)

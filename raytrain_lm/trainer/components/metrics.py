@@ -64,7 +64,7 @@ class StepMetrics:
                 "perf/data_wait_fraction": min(1.0, interval.data_wait_s / seconds),
             }
         )
-        metrics |= group.metrics() | self.sync.metrics()
+        metrics |= group.metrics(tokens_per_s) | self.sync.metrics()
         if group.budget is not None:
             metrics |= group.budget.metrics(journal.events, time.time(), step, seconds / steps,
                                             group.price_per_hour())  # fmt: skip

@@ -74,6 +74,7 @@ class ReplicaGroup:
         self.upload_deadline: float | None = None  # a spot notice's (wall clock)
         self.budget, self.interruptions = None, (0.0, 0.0)  # the chief's, as a group starts
         self.parts: LoopParts | None = None
+        self.started = False  # joined, restored or healed, and recorded its start (start)
 
     # ------------------------------------------------------------------------------ who
 
@@ -205,6 +206,7 @@ class ReplicaGroup:
         else:
             announce(f"replica group {self.group} joined at step {step}, healed from a peer")
         members.last_commit_t = time.time()
+        self.started = True  # from here on it has committed state to save (running)
 
     def forced_reads(self, step: int) -> set[int]:
         # Every group reads at the same steps (the cadences'), so that whichever becomes
@@ -270,13 +272,17 @@ class ReplicaGroup:
 
     @contextlib.contextmanager
     def running(self, emergency_checkpoint) -> Iterator[None]:
-        """Around the group's whole life: a Lighthouse lost or too few groups end it with a
-        checkpoint (`emergency_checkpoint`) and say why; every group ends by saying whether
-        the groups are done with this invocation (driver/callbacks.py reads it)."""
+        """Around the group's life: once it trains, a Lighthouse lost or too few groups end it
+        with a checkpoint (`emergency_checkpoint`) and say why, and every group ends by saying
+        whether the groups are done with this invocation (driver/callbacks.py reads it). A
+        group that fails before it started has nothing to save: it fails, and Ray Train
+        replaces it."""
         parts, lost, too_few = self.parts, False, False
         try:
             yield
         except LighthouseLost as exc:
+            if not self.started:
+                raise
             # No quorum can form again: the chief checkpoints what the groups committed and
             # the driver starts the run again, with a new Lighthouse (launch.py).
             lost = True
@@ -286,6 +292,8 @@ class ReplicaGroup:
                 parts.journal.event(stop_requests.LIGHTHOUSE_LOST, step=parts.progress.step)
                 emergency_checkpoint()
         except TooFewReplicas as exc:
+            if not self.started:
+                raise
             # Every group that is left gives up; the last quorum's chief, if it is one of them,
             # checkpoints first (the others cannot tell who is alive: the run then resumes
             # from its newest checkpoint). The driver ends the run with this reason.
@@ -317,12 +325,19 @@ class ReplicaGroup:
         alone = members.participants == 1  # before the first step
         return (self.parts.trainee.where.types, [self.my_price]) if alone else ([], [])
 
-    def metrics(self) -> dict[str, float]:
-        parts = self.parts
+    def metrics(self, tokens_per_s: float) -> dict[str, float]:
+        """Each group's MFU on its own device (the step's tokens/s over its participants), and
+        what it hands the network."""
+        parts, trainee = self.parts, self.parts.trainee
+        per_group = tokens_per_s / max(1, self.members.participants)
         sent = self.quorum.bytes.sent if self.quorum is not None else 0
         first = parts.journal.throughput.first_step
-        trained = max(1, parts.progress.state.tokens - first * parts.trainee.tokens_per_step)
-        return {"comm/bytes_sent": sent, "comm/bytes_per_token": sent / trained}
+        trained = max(1, parts.progress.state.tokens - first * trainee.tokens_per_step)
+        return {
+            "perf/mfu": devices.mfu(trainee.flops_per_token, per_group, parts.device),
+            "comm/bytes_sent": sent,
+            "comm/bytes_per_token": sent / trained,
+        }
 
     def price_per_hour(self) -> float:
         return sum(self.members.prices) if self.members.prices else self.my_price

@@ -233,7 +233,7 @@ class StaticGroup:
         """The accelerator type and hourly price (0: none given) of each share of the plan."""
         return self.parts.trainee.where.types, self.prices
 
-    def metrics(self) -> dict[str, float]:
+    def metrics(self, tokens_per_s: float) -> dict[str, float]:
         return {}
 
     def price_per_hour(self) -> float:

@@ -58,8 +58,9 @@ class EveryStep:
     def after_join(self) -> None:
         pass
 
-    def flags(self, flags: Flags) -> Flags:
-        return flags
+    def flags(self, group, step: int) -> Flags:
+        """The group's: a stop request, a spot notice (each group asks on its own clock)."""
+        return group.flags(step)
 
     def ends(self, ends: bool) -> bool:
         return ends

@@ -117,9 +117,10 @@ class Rounds:
             cadence.crossing = True
         return every
 
-    def flags(self, flags: Flags) -> Flags:
-        """A spot notice is acted on only as this group announced it at a sync, so that the
-        others planned the next unit without it; a stop was agreed at the sync."""
+    def flags(self, group: ReplicaGroup, step: int) -> Flags:
+        """Not the group's own: a spot notice is acted on only as this group announced it at a
+        sync, so that the others planned the next unit without it (leavers.py asks Ray, on the
+        `signals` cadence); a stop was agreed at the sync."""
         return Flags(ask=self.leavers.leaves_after_round, stop=self.group.stop_seen)
 
     def ends(self, ends: bool) -> bool:
@@ -240,6 +241,8 @@ class Rounds:
         the others are in."""
         group, members, parts = self.group, self.group.members, self.parts
         trained_as, healed_before = members.participant, group.healing.healed_at
+        # The chief of the unit just trained says whether a stop was requested.
+        stop = not joining and group.is_chief and group.stop_due()
         if not joining:
             members.formed(group.quorum.form())
             self.leavers.quorum_stale = False
@@ -249,7 +252,7 @@ class Rounds:
         if group.healing.healed_at != healed_before:
             self.outer.contribute_nothing()
             unit = Unit(parts.progress.step)
-        summed = self._reduce(unit, trained_as, leaving)
+        summed = self._reduce(unit, trained_as, leaving, stop)
         manager = group.quorum.manager
         if manager.errored() is not None or summed.trainers < 1:
             # The reduction failed (its values are not to be trusted), or nobody trained.
@@ -270,7 +273,7 @@ class Rounds:
             self.roll_back()
         return summed, unit, committed
 
-    def _reduce(self, unit: Unit, trained_as: int | None, leaving: bool) -> RoundSums:
+    def _reduce(self, unit: Unit, trained_as: int | None, leaving: bool, stop: bool) -> RoundSums:
         group, members, parts, u = self.group, self.group.members, self.parts, self.unit_steps
         device, groups = parts.device, members.groups
         zeros = [torch.zeros((), device=device)] * u
@@ -284,7 +287,7 @@ class Rounds:
             norms=torch.cat([torch.stack(norms).double().reshape(-1).to(device), pad]),
             checksum=position_checksum(np.concatenate(unit.taken)) if unit.taken else [0.0] * 3,
             trainers=float(unit.trained),
-            stop=float(unit.trained and group.is_chief and group.stop_due()),
+            stop=float(unit.trained and stop),
             stored=stored,
             written=written,
             roster=roster_slots(trained_as, groups, parts.trainee.where.types[0], group.my_price)
