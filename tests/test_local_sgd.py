@@ -55,7 +55,7 @@ def test_local_sgd_trains_what_diloco_with_a_plain_outer_step_trains(world_size_
 def test_a_local_sgd_group_killed_mid_round_loses_no_sequence(
     tiny_overrides, tmp_path, monkeypatch
 ):
-    """Two groups, H=4, 120 steps paced at 0.3 s until the replacement started: group 1 kills
+    """Two groups, H=4, 240 steps paced at 0.3 s until the replacement started: group 1 kills
     its own process after its eleventh step, in the middle of the third round (steps 9-12).
     Group 0's sync at step 12 finds it gone: the round does not commit, group 0 puts back the
     weights of step 8 and takes the round again alone. Ray Train replaces group 1, which heals
@@ -71,10 +71,10 @@ def test_a_local_sgd_group_killed_mid_round_loses_no_sequence(
         "parallel.sync=local_sgd",
         f"diloco.sync_every={H}",
         "training.global_batch_size=12",
-        "training.max_steps=120",
+        "training.max_steps=240",
         "training.ledger=true",
         "training.eval_every=100000",
-        "checkpoint.every_steps=40",
+        "checkpoint.every_steps=80",
         "fault.max_failures=-1",
     ]
     monkeypatch.setenv(chaos.ENV_VAR, "slow-steps:seconds=0.3+kill-in-round:step=11:rank=1")
@@ -92,8 +92,8 @@ def test_a_local_sgd_group_killed_mid_round_loses_no_sequence(
     chaos.stop_pacing(run_dir)
     summary = run.wait(600)
 
-    assert summary["steps"] == 120 and not summary["stopped"]
-    assert read_ledger(run_dir).tolist() == list(range(120 * 12))
+    assert summary["steps"] == 240 and not summary["stopped"]
+    assert read_ledger(run_dir).tolist() == list(range(240 * 12))
     events = read_events(run_dir)
     starts = [e for e in events if e["event"] == "replica_start"]
     assert len({e["pid"] for e in starts if e["group"] == 0}) == 1, "the survivor restarted"
