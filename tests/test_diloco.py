@@ -9,11 +9,11 @@ from types import SimpleNamespace
 
 import mlflow
 import pytest
+from support.replica_kill import train_until_group_1_replaced
 from support.step_losses import assert_same_step_losses
 
 import raytrain_lm
 from raytrain_lm.checkpoints import complete_checkpoints, read_state
-from raytrain_lm.clusters.multinode import Background, wait_for_event
 from raytrain_lm.config import load_config
 from raytrain_lm.data.ledger import read_ledger
 from raytrain_lm.errors import UserError
@@ -178,19 +178,7 @@ def test_a_group_killed_between_syncs_loses_no_sequence_and_the_survivor_goes_on
     # Ray started here, not in the run's thread: the processes a local Ray starts are killed
     # when the thread that started them ends (PR_SET_PDEATHSIG), and later tests use that Ray.
     ensure_ray(load_config(None, overrides).scaling)
-    run = Background(lambda: raytrain_lm.train(load_config(None, overrides), sample=False))
-
-    def group_1_replaced(event: dict) -> bool:
-        """Group 1's second process started: on a loaded machine its first may already have
-        healed, having joined after group 0's first sync."""
-        if event["event"] != "replica_start" or event["group"] != 1:
-            return False
-        starts = [e for e in read_events(run_dir) if e["event"] == "replica_start"]
-        return event["pid"] != next(e["pid"] for e in starts if e["group"] == 1)
-
-    wait_for_event(run_dir, group_1_replaced, 300, still_running=run)
-    chaos.stop_pacing(run_dir)
-    summary = run.wait(600)
+    summary = train_until_group_1_replaced(run_dir, overrides)
 
     assert summary["steps"] == 240 and not summary["stopped"]
     assert read_ledger(run_dir).tolist() == list(range(240 * 12))

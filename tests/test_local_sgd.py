@@ -6,10 +6,10 @@ killed in the middle of a round loses no sequence and repeats none."""
 from __future__ import annotations
 
 import pytest
+from support.replica_kill import train_until_group_1_replaced
 from support.step_losses import step_losses
 
 import raytrain_lm
-from raytrain_lm.clusters.multinode import Background, wait_for_event
 from raytrain_lm.config import load_config
 from raytrain_lm.data.ledger import read_ledger
 from raytrain_lm.run_events.journal import read_events
@@ -80,17 +80,7 @@ def test_a_local_sgd_group_killed_mid_round_loses_no_sequence(
     monkeypatch.setenv(chaos.ENV_VAR, "slow-steps:seconds=0.3+kill-in-round:step=11:rank=1")
     # Ray started here, not in the run's thread (see test_diloco's kill test).
     ensure_ray(load_config(None, overrides).scaling)
-    run = Background(lambda: raytrain_lm.train(load_config(None, overrides), sample=False))
-
-    def group_1_replaced(event: dict) -> bool:
-        if event["event"] != "replica_start" or event["group"] != 1:
-            return False
-        starts = [e for e in read_events(run_dir) if e["event"] == "replica_start"]
-        return event["pid"] != next(e["pid"] for e in starts if e["group"] == 1)
-
-    wait_for_event(run_dir, group_1_replaced, 300, still_running=run)
-    chaos.stop_pacing(run_dir)
-    summary = run.wait(600)
+    summary = train_until_group_1_replaced(run_dir, overrides)
 
     assert summary["steps"] == 240 and not summary["stopped"]
     assert read_ledger(run_dir).tolist() == list(range(240 * 12))
