@@ -71,9 +71,8 @@ class ReplicaStep:
             parts.batches.seek(parts.progress.step)
         place = group.members.participant
         assert place is not None, "a group that healed takes part"
-        self.plan = parts.trainee.plan = (
-            self.shares_plan()
-        )  # what the checkpoint and summary report
+        # The trainee's plan is what checkpoints and the summary report.
+        self.plan = parts.trainee.plan = self.shares_plan()
         return replace(parts.step_parts, plan=self.plan, rank=place), place
 
     def take(self, step: int) -> tuple[np.ndarray, np.ndarray]:
