@@ -56,8 +56,8 @@ ALONGSIDE := chaos or own_ray or beside
 test: $(STAMP)
 	@# The project's own bytecode too (see $(STAMP)): each test process imports it afresh.
 	@$(PY) -m compileall -q raytrain_lm tests > /dev/null
-	@$(VENV)/bin/pytest -q -p no:cacheprovider --durations=10 -m "$(ALONGSIDE)" > .tests-alongside.log 2>&1 & alongside=$$!; \
-	$(VENV)/bin/pytest -q --durations=10 -m "not ($(ALONGSIDE))"; rest=$$?; \
+	@$(VENV)/bin/pytest -q -p no:cacheprovider --durations=0 --durations-min=20 -m "$(ALONGSIDE)" > .tests-alongside.log 2>&1 & alongside=$$!; \
+	$(VENV)/bin/pytest -q --durations=0 --durations-min=20 -m "not ($(ALONGSIDE))"; rest=$$?; \
 	wait $$alongside; alongside_status=$$?; \
 	echo "----- tests with Rays of their own (pytest -m \"$(ALONGSIDE)\"), run alongside -----"; \
 	cat .tests-alongside.log; \
