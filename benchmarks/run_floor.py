@@ -28,10 +28,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def busy_cpu_s() -> float:
-    """Seconds the machine's CPUs spent on anything but idling, since boot."""
+    """Seconds the machine's CPUs spent on anything but idling, since boot (guest time is
+    already inside user and nice)."""
     with open("/proc/stat") as stat:
-        user, nice, system, idle, iowait, *rest = (int(v) for v in stat.readline().split()[1:])
-    return (user + nice + system + sum(rest)) / os.sysconf("SC_CLK_TCK")
+        user, nice, system, _idle, _iowait, irq, softirq, steal = (
+            int(v) for v in stat.readline().split()[1:9]
+        )
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
 def timed_run(work: Path, name: str, steps: int, tiny: list[str]) -> tuple[float, float]:
