@@ -161,3 +161,26 @@ def world_size_runs(ray_session, tmp_path_factory, shared_dirs) -> dict:
     overrides = [*common, "name=uninterrupted", "scaling.num_workers=2"]
     reference = raytrain_lm.train(load_config(None, overrides), sample=False)
     return {"common": common, "reference": reference, "output_dir": output_dir}
+
+
+@pytest.fixture(scope="session")
+def plain_diloco_run(world_size_runs) -> dict:
+    """Two replica groups on the world-size runs' settings, syncing by DiLoCo every 4 steps with
+    a plain outer step (outer lr 1, no momentum). LocalSGD must train its steps
+    (test_local_sgd.py), and test_diloco.py checks its rounds, ledger, checkpoints and bytes,
+    none of which the outer optimizer changes: one run serves both."""
+    import raytrain_lm
+    from raytrain_lm.config import load_config
+
+    overrides = [
+        *world_size_runs["common"],
+        "name=diloco-plain",
+        "scaling.fault_tolerance=replicas",
+        "scaling.num_workers=2",
+        "parallel.sync=diloco",
+        "diloco.sync_every=4",
+        "diloco.outer_lr=1",
+        "diloco.outer_momentum=0",
+    ]
+    summary = raytrain_lm.train(load_config(None, overrides), sample=False)
+    return {"summary": summary, "run_dir": world_size_runs["output_dir"] / "diloco-plain"}

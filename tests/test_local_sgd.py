@@ -19,10 +19,13 @@ from raytrain_lm.trainer import chaos
 H = 4
 
 
-def test_local_sgd_trains_what_diloco_with_a_plain_outer_step_trains(world_size_runs):
+def test_local_sgd_trains_what_diloco_with_a_plain_outer_step_trains(
+    world_size_runs, plain_diloco_run
+):
     """Two groups, H=4, the world-size runs' 12 steps (3 rounds): LocalSGD's step losses
     within 1e-6 of DiLoCo's with outer lr 1 and no momentum (start weights minus the mean
-    change are the mean weights), every position once, and one sync of the weights a round."""
+    change are the mean weights; the session's `plain_diloco_run`), every position once, and
+    one sync of the weights a round."""
     common, steps = world_size_runs["common"], world_size_runs["reference"]["steps"]
     uri = next(o.split("=", 1)[1] for o in common if o.startswith("tracking.uri="))
     two = [
@@ -31,8 +34,7 @@ def test_local_sgd_trains_what_diloco_with_a_plain_outer_step_trains(world_size_
         "scaling.num_workers=2",
         f"diloco.sync_every={H}",
     ]
-    plain = ["parallel.sync=diloco", "diloco.outer_lr=1", "diloco.outer_momentum=0"]
-    diloco = raytrain_lm.train(load_config(None, [*two, *plain, "name=diloco-plain"]), sample=False)
+    diloco = plain_diloco_run["summary"]
     local = raytrain_lm.train(
         load_config(None, [*two, "parallel.sync=local_sgd", "name=local-sgd"]), sample=False
     )

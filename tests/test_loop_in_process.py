@@ -5,31 +5,13 @@ the next step with a checkpoint, and the next group resumes there, every positio
 
 from __future__ import annotations
 
-from support.in_process import train_here
+from support.in_process import here_spec, train_here
 from support.step_losses import step_losses
 
 from raytrain_lm.checkpoints import complete_checkpoints, read_state
-from raytrain_lm.config import load_config
 from raytrain_lm.data.ledger import read_ledger
-from raytrain_lm.data.prepare import prepare
 from raytrain_lm.run_events.journal import read_events
-from raytrain_lm.rundir import RunDir
 from raytrain_lm.trainer.components.stop_requests import clear_stop_request, request_stop
-from raytrain_lm.trainer.spec import WorkerSpec
-
-
-def _spec(overrides: list[str]) -> WorkerSpec:
-    cfg = load_config(None, overrides)
-    run_dir = RunDir.of(cfg.output_dir, cfg.name)
-    run_dir.create()
-    return WorkerSpec(
-        config=cfg,
-        data_dir=str(prepare(cfg.data).directory),  # the session's, prepared already
-        run_dir=run_dir,
-        tracking=None,
-        expect_checkpoint=bool(complete_checkpoints(run_dir)),
-        read_cpus=0.5,
-    )
 
 
 def _reference(world_size_runs) -> tuple[dict[int, float], int]:
@@ -46,7 +28,7 @@ def test_the_loop_here_trains_the_steps_of_a_ray_train_run(world_size_runs):
     """The same 12 steps of 12 sequences as the session's 2-worker Ray Train run: each step's
     loss within 1e-5, checkpoints reported every 3 steps, every position once in the ledger."""
     reference, steps = _reference(world_size_runs)
-    spec = _spec([*world_size_runs["common"], "name=here", "scaling.num_workers=1"])
+    spec = here_spec([*world_size_runs["common"], "name=here", "scaling.num_workers=1"])
     kept, ray = train_here(spec)
     ours = _losses(kept)
     assert sorted(ours) == sorted(reference) == list(range(1, steps + 1))
@@ -67,7 +49,7 @@ def test_a_stop_checkpoints_at_once_and_the_next_group_resumes_there(world_size_
         *world_size_runs["common"], "name=here-stopped", "scaling.num_workers=1",
         "fault.preemption_check_s=1e-9",
     ]  # fmt: skip
-    spec = _spec(overrides)
+    spec = here_spec(overrides)
     request_stop(spec.run_dir, "test")
     first, ray = train_here(spec)
     assert sorted(_losses(first)) == [1] and [r["step"] for r in ray.reports] == [1]
@@ -75,7 +57,7 @@ def test_a_stop_checkpoints_at_once_and_the_next_group_resumes_there(world_size_
     assert stop["step"] == 1
     clear_stop_request(spec.run_dir)  # as the driver does before it starts the next group
 
-    second, _ = train_here(_spec(overrides))
+    second, _ = train_here(here_spec(overrides))
     both = _losses(first) | _losses(second)
     assert min(_losses(second)) == 2 and sorted(both) == list(range(1, steps + 1))
     assert max(abs(both[s] - reference[s]) for s in both) < 1e-5

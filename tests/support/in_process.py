@@ -14,7 +14,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from raytrain_lm.checkpoints import complete_checkpoints
+from raytrain_lm.config import load_config
+from raytrain_lm.data.prepare import prepare
 from raytrain_lm.data.stream import ShardCache, WorkerSlice
+from raytrain_lm.rundir import RunDir
 from raytrain_lm.trainer.groups.feed import sequence_order
 from raytrain_lm.trainer.groups.static import StaticGroup
 from raytrain_lm.trainer.spec import WorkerSpec
@@ -119,6 +123,22 @@ class HereGroup:
             positions = part.positions(each, 1)
             shards, starts = order.locate_many(positions)
             yield positions, cache.sequences(shards, starts, order.seq_len + 1)
+
+
+def here_spec(overrides: list[str]) -> WorkerSpec:
+    """A worker's spec for a run of these overrides, its data prepared (the session's, where
+    the settings match) and its run directory made, as the driver hands it to its workers."""
+    cfg = load_config(None, overrides)
+    run_dir = RunDir.of(cfg.output_dir, cfg.name)
+    run_dir.create()
+    return WorkerSpec(
+        config=cfg,
+        data_dir=str(prepare(cfg.data).directory),
+        run_dir=run_dir,
+        tracking=None,
+        expect_checkpoint=bool(complete_checkpoints(run_dir)),
+        read_cpus=0.5,
+    )
 
 
 def train_here(spec: WorkerSpec) -> tuple[KeptMetrics, HereRay]:
