@@ -10,6 +10,7 @@ from raytrain_lm.cli.config_commands import run_config_command
 from raytrain_lm.cli.exit_codes import EXIT_INTERRUPTED, EXIT_USER_ERROR
 from raytrain_lm.cli.parser import build_parser, split_overrides
 from raytrain_lm.cli.sweep_commands import run_sweep_command
+from raytrain_lm.cli.tracking_commands import TRACKING_COMMANDS, run_tracking_command
 from raytrain_lm.cli.trained_run_commands import TRAINED_RUN_COMMANDS, run_trained_run_command
 from raytrain_lm.errors import InterruptedBeforeStart, find_user_error
 
@@ -19,6 +20,8 @@ def run(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     if args.command in CLUSTER_COMMANDS:
         return run_cluster_command(args, short_overrides)
+    if args.command in TRACKING_COMMANDS:
+        return run_tracking_command(args)
     if args.command == "sweep":
         return run_sweep_command(args, short_overrides)
     if args.command in TRAINED_RUN_COMMANDS:

@@ -1,5 +1,5 @@
 """`raytrain-lm`: train, sweep, prepare, config show, generate, export, eval,
-submit/status/logs/stop, cluster.
+submit/status/logs/stop, cluster, tracking.
 
 Overrides: `--set section.key=value` (repeatable) or the short form `--section.key=value`.
 User errors print one line and exit with status 2; nothing is written before validation.
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 
+from raytrain_lm.cli.tracking_commands import add_tracking_commands
 from raytrain_lm.errors import UserError
 
 
@@ -71,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_eval(commands)
     _add_sweep(commands)
     _add_cluster_commands(commands)
+    add_tracking_commands(commands, _Parser, _POSITIVE_INT)
     return parser
 
 

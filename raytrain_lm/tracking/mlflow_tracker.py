@@ -10,9 +10,15 @@ from pathlib import Path
 from typing import Any
 
 from raytrain_lm.redaction import redact
+from raytrain_lm.tracking.access import check_can_log
 from raytrain_lm.tracking.buffered_sender import BufferedSender
 from raytrain_lm.tracking.runs import open_run
-from raytrain_lm.tracking.store import check_local_store, is_permanent, retry_on_our_schedule
+from raytrain_lm.tracking.store import (
+    check_local_store,
+    is_permanent,
+    refusal,
+    retry_on_our_schedule,
+)
 from raytrain_lm.tracking.wait import open_when_reachable
 
 
@@ -47,13 +53,20 @@ class MLflowTracker(BufferedSender):
         (wait.py), then raises a `UserError` naming the store and `tracking.start_wait_s`."""
         retry_on_our_schedule(uri)
         check_local_store(uri)
-        opened = open_when_reachable(
-            lambda: open_run(uri, experiment, run_name, run_id, parent_run_id),
-            uri,
-            run_name,
-            wait_s,
-            is_permanent,
-        )
+        check_can_log(uri, experiment)
+        try:
+            opened = open_when_reachable(
+                lambda: open_run(uri, experiment, run_name, run_id, parent_run_id),
+                uri,
+                run_name,
+                wait_s,
+                lambda exc: is_permanent(exc) or refusal(exc, uri, experiment) is not None,
+            )
+        except Exception as exc:
+            refused = refusal(exc, uri, experiment)
+            if refused is None:
+                raise
+            raise refused from None
         tracker = cls(uri, opened)
         if tags:
             tracker.set_tags(tags)

@@ -30,3 +30,22 @@ def is_permanent(exc: Exception) -> bool:
     from mlflow.exceptions import MlflowException
 
     return isinstance(exc, MlflowException) and exc.get_http_status_code() in (400, 404)
+
+
+def refusal(exc: Exception, uri: str, experiment: str) -> UserError | None:
+    """A server with logins that refused the environment's login (401) or its rights on
+    `experiment` (403), said in one line; else None."""
+    from mlflow.exceptions import MlflowException
+
+    status = exc.get_http_status_code() if isinstance(exc, MlflowException) else None
+    if status == 401:
+        return UserError(
+            f"tracking store {uri} refused the login (HTTP 401): set MLFLOW_TRACKING_USERNAME "
+            "and MLFLOW_TRACKING_PASSWORD in the environment (docs/tracking.md)"
+        )
+    if status == 403:
+        return UserError(
+            f"tracking store {uri} refused to log to experiment '{experiment}' (HTTP 403): "
+            "its owner can give you EDIT rights, or set tracking.experiment to another"
+        )
+    return None

@@ -43,6 +43,7 @@ from raytrain_lm.runlease import RunLease
 from raytrain_lm.runtime import ensure_ray
 from raytrain_lm.storage import check_writable
 from raytrain_lm.tokenization import load_tokenizer
+from raytrain_lm.tracking.access import check_can_log
 from raytrain_lm.tracking.mlflow_tracker import MLflowTracker
 from raytrain_lm.trainer import chaos
 from raytrain_lm.trainer.components import stop_requests
@@ -103,6 +104,8 @@ def train(
         if finished is not None:
             return finished
         check_inputs(cfg.data)  # what can be refused without Ray, before starting it
+        if cfg.tracking.enabled:
+            check_can_log(cfg.tracking.uri, cfg.tracking.experiment)
         if not cfg.data.prepared:
             _connect(cfg)  # sized for training, before prepare's Ray Data job starts a Ray
         data_dir = _prepared_data(cfg)

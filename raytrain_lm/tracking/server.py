@@ -1,0 +1,224 @@
+"""`raytrain-lm tracking serve`: the team's MLflow tracking server, as a cluster's head runs it.
+
+MLflow's own server does the work: `mlflow server --app-name basic-auth` with its runs in a
+PostgreSQL database and its artifacts in a bucket or a folder. This module only sets it up the
+way a shared, long-lived store must be set up:
+
+- The database is an embedded PostgreSQL (`pgserver`) in the server's home, reached through a
+  Unix socket only (nothing listens on the network), unless `--database-uri` names one of the
+  cloud's (RDS, Cloud SQL). The runs and the logins live in two databases of it.
+- Logins are on. The admin's password is generated at the first start and written to
+  `admin.env` (mode 0600, `KEY=VALUE` lines for `set -a; . FILE`), or, on a cluster, made
+  where `ray up` runs (`raytrain-lm tracking login`) and mounted on every node beside Ray's
+  token; it is never printed or logged, and MLflow reads it only to create the admin once.
+- Files holding secrets (the admin's password, the Flask secret that signs the UI's forms)
+  are made with mode 0600. (The home itself must stay traversable: run as root, pgserver
+  runs PostgreSQL as a user of its own, which must reach the database folder.)
+
+The server runs in the foreground until SIGTERM or Ctrl-C, then stops the database it started.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from raytrain_lm.errors import UserError
+
+ADMIN = "admin"
+RUNS_DB, LOGINS_DB = "mlflow", "mlflow_auth"
+READY_WAIT_S = 180.0  # an MLflow server imports for 10-20 s on a loaded 2-core head
+PERMISSIONS = ("NO_PERMISSIONS", "READ", "USE", "EDIT", "MANAGE")
+# Where the server keeps artifacts, as a cluster's login file can say (`tracking login`).
+ARTIFACTS_ENV = "RAYTRAIN_LM_TRACKING_ARTIFACTS"
+
+
+@dataclass(frozen=True)
+class ServerHome:
+    """The server's files: database, artifacts (unless in a bucket), logins config, secrets."""
+
+    root: Path
+
+    @property
+    def pgdata(self) -> Path:
+        return self.root / "postgres"
+
+    @property
+    def artifacts(self) -> Path:
+        return self.root / "artifacts"
+
+    @property
+    def auth_config(self) -> Path:
+        return self.root / "basic_auth.ini"
+
+    @property
+    def admin_env(self) -> Path:
+        return self.root / "admin.env"
+
+    @property
+    def flask_secret(self) -> Path:
+        return self.root / "flask_secret"
+
+    @property
+    def log(self) -> Path:
+        return self.root / "server.log"
+
+
+def write_secret(path: Path, text: str) -> None:
+    """Creates `path` readable by its owner only, from the first byte (no umask window)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(text)
+    os.chmod(path, 0o600)
+
+
+def read_env_file(path: Path) -> dict[str, str]:
+    """`KEY=VALUE` lines, as `admin.env` and `raytrain-lm tracking user` write them."""
+    values = {}
+    for line in path.read_text().splitlines():
+        key, sep, value = line.partition("=")
+        if sep and not key.startswith("#"):
+            values[key.strip()] = value.strip()
+    return values
+
+
+def new_admin_login(path: Path, artifacts: str | None = None) -> None:
+    """Writes the admin's login, with a generated password, to `path` (mode 0600); with
+    `artifacts`, also where the server keeps them. Refuses to replace a login."""
+    if path.exists():
+        raise UserError(f"{path} exists: a login is never replaced (remove it first)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = [
+        "# The tracking server's admin (raytrain-lm tracking); keep this file private.",
+        f"MLFLOW_TRACKING_USERNAME={ADMIN}",
+        f"MLFLOW_TRACKING_PASSWORD={secrets.token_urlsafe(24)}",
+    ]
+    if artifacts:
+        lines.append(f"{ARTIFACTS_ENV}={artifacts}")
+    write_secret(path, "\n".join(lines) + "\n")
+
+
+def _admin_password(login: Path) -> str:
+    """The admin's password: from `login`, written there first if it does not exist."""
+    if not login.exists():
+        new_admin_login(login)
+    return read_env_file(login)["MLFLOW_TRACKING_PASSWORD"]
+
+
+def _flask_secret(home: ServerHome) -> str:
+    if not home.flask_secret.exists():
+        write_secret(home.flask_secret, secrets.token_hex(32))
+    return home.flask_secret.read_text().strip()
+
+
+def _embedded_database(home: ServerHome):
+    """An embedded PostgreSQL in `home`, with the two databases; its URIs use its socket."""
+    import pgserver
+
+    server = pgserver.get_server(home.pgdata, cleanup_mode="stop")
+    existing = {
+        line.strip() for line in server.psql("SELECT datname FROM pg_database;").splitlines()
+    }
+    for name in {RUNS_DB, LOGINS_DB} - existing:
+        server.psql(f"CREATE DATABASE {name};")
+    return server, server.get_uri(RUNS_DB), server.get_uri(LOGINS_DB)
+
+
+def _write_auth_config(home: ServerHome, logins_uri: str, default_permission: str) -> None:
+    write_secret(
+        home.auth_config,
+        "[mlflow]\n"
+        f"default_permission = {default_permission}\n"
+        f"database_uri = {logins_uri}\n"
+        f"admin_username = {ADMIN}\n"
+        "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n",
+    )
+
+
+def _database_uris(home: ServerHome, database_uri: str | None):
+    """(embedded server or None, runs URI, logins URI)."""
+    if database_uri is None:
+        return _embedded_database(home)
+    if not database_uri.startswith(("postgresql://", "postgresql+psycopg://")):
+        raise UserError(f"--database-uri {database_uri!r}: expected postgresql://...")
+    base, _, query = database_uri.rpartition("/")
+    logins = f"{base}/{LOGINS_DB}" + (f"?{query.partition('?')[2]}" if "?" in query else "")
+    return None, database_uri, logins
+
+
+def serve(
+    home: Path,
+    host: str = "127.0.0.1",
+    port: int = 5000,
+    artifacts: str | None = None,
+    database_uri: str | None = None,
+    default_permission: str = "READ",
+    workers: int = 2,
+    admin_login: Path | None = None,
+) -> int:
+    """Starts the server and returns its exit status once it ends. The admin's login is
+    `admin_login` (a cluster's, made where `ray up` runs), else HOME/admin.env, generated at
+    the first start; artifacts go to `artifacts`, else where that file says, else HOME."""
+    if default_permission not in PERMISSIONS:
+        raise UserError(f"--default-permission {default_permission}: one of {PERMISSIONS}")
+    home = ServerHome(Path(home).expanduser().resolve())
+    home.root.mkdir(parents=True, exist_ok=True)
+    database, runs_uri, logins_uri = _database_uris(home, database_uri)
+    _write_auth_config(home, logins_uri, default_permission)
+    login = Path(admin_login).expanduser() if admin_login else home.admin_env
+    password = _admin_password(login)
+    destination = artifacts or read_env_file(login).get(ARTIFACTS_ENV) or str(home.artifacts)
+    env = {
+        **os.environ,
+        "MLFLOW_AUTH_CONFIG_PATH": str(home.auth_config),
+        "MLFLOW_AUTH_ADMIN_PASSWORD": password,
+        "MLFLOW_FLASK_SERVER_SECRET_KEY": _flask_secret(home),
+    }
+    command = [
+        sys.executable, "-m", "mlflow", "server", "--app-name", "basic-auth",
+        "--backend-store-uri", runs_uri, "--artifacts-destination", destination,
+        "--host", host, "--port", str(port), "--workers", str(workers),
+    ]  # fmt: skip
+    with open(home.log, "a") as log:
+        server = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+    stop = lambda *_: server.terminate()  # noqa: E731
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        url = f"http://{host}:{port}"
+        wait_ready(url, server, home.log)
+        print(f"[raytrain-lm] tracking server at {url} (logins on; the admin's in {login}; "
+              f"artifacts in {destination}; log {home.log})", flush=True)  # fmt: skip
+        return server.wait()
+    except KeyboardInterrupt:
+        server.terminate()
+        return server.wait()
+    finally:
+        if server.poll() is None:
+            server.kill()
+        if database is not None:
+            database.cleanup()
+
+
+def wait_ready(url: str, server: subprocess.Popen, log: Path) -> None:
+    """Waits for `/health`; a server that exits first is an error naming its log."""
+    import requests
+
+    deadline = time.monotonic() + READY_WAIT_S
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            tail = log.read_text().strip().splitlines()[-1:] or ["(empty log)"]
+            raise UserError(f"tracking server exited ({server.returncode}): {tail[0]} ({log})")
+        try:
+            if requests.get(f"{url}/health", timeout=2).ok:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(0.5)
+    server.terminate()
+    raise UserError(f"tracking server not ready after {READY_WAIT_S:.0f} s (log {log})")

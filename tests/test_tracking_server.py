@@ -1,0 +1,160 @@
+"""The team's tracking server as a user starts it (`raytrain-lm tracking serve`): a real MLflow
+server with its runs and logins in a real PostgreSQL (pgserver), logins on. Who may do what is
+asked of the server itself, over HTTP, with the logins the CLI handed out."""
+
+from __future__ import annotations
+
+import re
+import select
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+from support.jobs import cli, env
+
+from raytrain_lm.runtime import free_port
+from raytrain_lm.tracking.server import read_env_file
+
+READY_LINE = re.compile(r"tracking server at (http://\S+)")
+SEARCH = "/api/2.0/mlflow/experiments/search?max_results=1"
+
+
+@pytest.fixture(scope="module")
+def team_server(tmp_path_factory):
+    """`raytrain-lm tracking serve` in a home of its own; its URL once it says it is ready."""
+    home = tmp_path_factory.mktemp("tracking-home")
+    command = [sys.executable, "-m", "raytrain_lm.cli", "tracking", "serve", "--home", str(home)]
+    server = subprocess.Popen(
+        [*command, "--port", str(free_port()), "--workers", "1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env(),
+    )
+    said, url = [], None
+    while url is None and server.poll() is None:
+        # Its own wait for /health is bounded (READY_WAIT_S); this only reads what it says.
+        if select.select([server.stdout], [], [], 5)[0]:
+            said.append(server.stdout.readline())
+            found = READY_LINE.search(said[-1])
+            url = found.group(1) if found else None
+    assert url is not None, "".join(said)
+    yield {"url": url, "home": home, "said": said}
+    server.terminate()
+    assert server.wait(timeout=120) == 0 or server.returncode == -15
+
+
+def logins(home: Path, name: str) -> dict[str, str]:
+    return read_env_file(home / f"{name}.env")
+
+
+def test_the_admin_login_is_generated_kept_private_and_strangers_are_refused(team_server):
+    url, home = team_server["url"], team_server["home"]
+    admin = logins(home, "admin")
+    password = admin["MLFLOW_TRACKING_PASSWORD"]
+    assert admin["MLFLOW_TRACKING_USERNAME"] == "admin" and len(password) >= 24
+    for secret in ("admin.env", "flask_secret", "basic_auth.ini"):
+        assert stat.S_IMODE((home / secret).stat().st_mode) == 0o600, secret
+    assert password not in (home / "server.log").read_text()
+    assert password not in "".join(team_server["said"])
+    assert requests.get(url + SEARCH, timeout=20).status_code == 401  # anonymous
+    assert requests.get(url + SEARCH, auth=("admin", "wrong"), timeout=20).status_code == 401
+    assert requests.get(url + SEARCH, auth=("admin", password), timeout=20).status_code == 200
+
+
+@pytest.fixture(scope="module")
+def team(team_server, tmp_path_factory):
+    """alice manages experiment `team-a` and has a run in it; bob may only read it. Both
+    logins come from `raytrain-lm tracking user`, as the admin hands them out."""
+    from mlflow.tracking import MlflowClient
+
+    url, home = team_server["url"], team_server["home"]
+    credentials = tmp_path_factory.mktemp("credentials")
+    admin = logins(home, "admin")
+    for user, rights in (("alice", "MANAGE"), ("bob", "READ")):
+        done = cli(
+            "tracking", "user", user, "--experiment", "team-a", "--permission", rights,
+            "--uri", url, "--credentials-dir", str(credentials), **admin,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        assert f"{user}: {rights} on experiment 'team-a'" in done.stdout
+        assert stat.S_IMODE((credentials / f"{user}.env").stat().st_mode) == 0o600
+    alice, bob = logins(credentials, "alice"), logins(credentials, "bob")
+    with pytest.MonkeyPatch.context() as patch:
+        for key, value in alice.items():
+            patch.setenv(key, value)
+        store = MlflowClient(tracking_uri=url)
+        experiment_id = store.get_experiment_by_name("team-a").experiment_id
+        run_id = store.create_run(experiment_id, run_name="alices").info.run_id
+    return {"alice": alice, "bob": bob, "experiment_id": experiment_id, "run_id": run_id}
+
+
+def test_read_rights_cannot_log_to_or_delete_anothers_experiment(team_server, team, monkeypatch):
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    for key, value in team["bob"].items():
+        monkeypatch.setenv(key, value)
+    store = MlflowClient(tracking_uri=team_server["url"])
+    assert store.get_experiment(team["experiment_id"]).name == "team-a"  # reading is allowed
+    assert store.get_run(team["run_id"]).info.run_name == "alices"
+    for refused in (
+        lambda: store.create_run(team["experiment_id"]),
+        lambda: store.log_metric(team["run_id"], "loss", 1.0),
+        lambda: store.delete_run(team["run_id"]),
+        lambda: store.delete_experiment(team["experiment_id"]),
+    ):
+        with pytest.raises(MlflowException) as raised:
+            refused()
+        assert raised.value.get_http_status_code() == 403
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", "alice")
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", team["alice"]["MLFLOW_TRACKING_PASSWORD"])
+    assert (
+        MlflowClient(tracking_uri=team_server["url"]).get_run(team["run_id"]).info.lifecycle_stage
+        == "active"
+    )
+
+
+@pytest.mark.parametrize("who", ["bob", "anonymous"])
+def test_a_run_without_rights_fails_at_start_in_one_line_leaving_nothing(
+    team_server, team, tiny_overrides, tmp_path, who
+):
+    """`raytrain-lm train` logging to alice's experiment with bob's login (read rights), or
+    with none: exit 2, one line naming the experiment or the login, before Ray or any worker
+    starts, and no run directory."""
+    url = team_server["url"]
+    overrides = [
+        *(o for o in tiny_overrides if not o.startswith(("tracking.", "output_dir="))),
+        f"tracking.uri={url}",
+        "tracking.experiment=team-a",
+        f"output_dir={tmp_path / 'runs'}",
+        "name=not-allowed",
+    ]
+    login = team["bob"] if who == "bob" else {}
+    variables = {
+        k: v for k, v in env(**login).items() if who == "bob" or "MLFLOW_TRACKING" not in k
+    }
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "raytrain_lm.cli", "train", *(f"--set={o}" for o in overrides)],
+        capture_output=True,
+        text=True,
+        env=variables,
+        timeout=300,
+    )
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    expected = (
+        "user 'bob' has READ rights on experiment 'team-a', and a run needs EDIT"
+        if who == "bob"
+        else "refused a client without a login (HTTP 401)"
+    )
+    assert len(lines) == 1 and expected in lines[0], done.stderr
+    # Refused before the data is looked at, so before Ray (which `train` starts for it)
+    assert "Traceback" not in done.stderr and "prepared data" not in done.stdout, done.stdout
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+    assert time.monotonic() - started < 120  # refused, not waited out (start_wait_s is 600)
