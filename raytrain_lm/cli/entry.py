@@ -12,7 +12,7 @@ from raytrain_lm.cli.parser import build_parser, split_overrides
 from raytrain_lm.cli.sweep_commands import run_sweep_command
 from raytrain_lm.cli.tracking_commands import TRACKING_COMMANDS, run_tracking_command
 from raytrain_lm.cli.trained_run_commands import TRAINED_RUN_COMMANDS, run_trained_run_command
-from raytrain_lm.errors import InterruptedBeforeStart, find_user_error
+from raytrain_lm.errors import InterruptedBeforeStart, UserError, find_user_error
 
 
 def run(argv: list[str]) -> int:
@@ -21,6 +21,8 @@ def run(argv: list[str]) -> int:
     if args.command in CLUSTER_COMMANDS:
         return run_cluster_command(args, short_overrides)
     if args.command in TRACKING_COMMANDS:
+        if short_overrides:
+            raise UserError(f"`tracking` takes no config overrides: {short_overrides[0]}")
         return run_tracking_command(args)
     if args.command == "sweep":
         return run_sweep_command(args, short_overrides)

@@ -24,9 +24,6 @@ def add_tracking_commands(commands, parser_class, positive_int) -> None:
         "--artifacts", help="s3://BUCKET/prefix or a folder (default HOME/artifacts)"
     )
     serve.add_argument(
-        "--database-uri", help="a PostgreSQL server's (default: one embedded in HOME)"
-    )
-    serve.add_argument(
         "--default-permission",
         default="READ",
         help="every user's rights on experiments they were given none on (default READ)",
@@ -65,7 +62,6 @@ def run_tracking_command(args: argparse.Namespace) -> int:
             host=args.host,
             port=args.port,
             artifacts=args.artifacts,
-            database_uri=args.database_uri,
             default_permission=args.default_permission,
             workers=args.workers,
             admin_login=Path(args.admin_login) if args.admin_login else None,

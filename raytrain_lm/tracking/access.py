@@ -17,8 +17,13 @@ import secrets
 from pathlib import Path
 
 from raytrain_lm.errors import UserError
+from raytrain_lm.tracking.store import (
+    PASSWORD_ENV,
+    USERNAME_ENV,
+    refused_login,
+    retry_on_our_schedule,
+)
 
-USERNAME_ENV, PASSWORD_ENV = "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"
 CAN_LOG = ("EDIT", "MANAGE")
 TIMEOUT_S = 20
 
@@ -26,15 +31,6 @@ TIMEOUT_S = 20
 def _credentials() -> tuple[str, str] | None:
     user, password = os.environ.get(USERNAME_ENV), os.environ.get(PASSWORD_ENV)
     return (user, password) if user and password else None
-
-
-def _refused_login(uri: str) -> UserError:
-    who = os.environ.get(USERNAME_ENV)
-    said = f"the login of '{who}'" if who else "a client without a login"
-    return UserError(
-        f"tracking store {uri} refused {said} (HTTP 401): set {USERNAME_ENV} and "
-        f"{PASSWORD_ENV} in the environment (docs/tracking.md)"
-    )
 
 
 def check_can_log(uri: str, experiment: str) -> None:
@@ -45,18 +41,30 @@ def check_can_log(uri: str, experiment: str) -> None:
     if not uri.startswith(("http://", "https://")):
         return
     import requests
+    from mlflow.exceptions import MlflowException
+    from mlflow.utils.credentials import get_default_host_creds
+    from mlflow.utils.rest_utils import http_request
 
-    base, auth = uri.rstrip("/"), _credentials()
+    # MLflow's own client side: its login, token and TLS settings, one try (no retries).
+    creds = get_default_host_creds(uri)
 
-    def get(path: str, **params) -> requests.Response:
-        return requests.get(f"{base}{path}", params=params, auth=auth, timeout=TIMEOUT_S)
+    def get(endpoint: str, **params) -> requests.Response:
+        return http_request(
+            creds, endpoint, "GET", max_retries=0, timeout=TIMEOUT_S, params=params,
+            raise_on_status=False,
+        )  # fmt: skip
 
     try:
         found = get("/api/2.0/mlflow/experiments/get-by-name", experiment_name=experiment)
         if found.status_code == 401:
-            raise _refused_login(uri)
+            raise refused_login(uri)
+        if found.status_code == 403:
+            raise UserError(
+                f"tracking store {uri}: the login of '{os.environ.get(USERNAME_ENV)}' may not "
+                f"read experiment '{experiment}', and a run needs EDIT; ask its owner for them"
+            )
         if found.status_code != 200:
-            return  # no such experiment yet: whoever creates it may manage it
+            return  # no such experiment yet: whoever creates it manages it
         experiment_id = found.json()["experiment"]["experiment_id"]
         current = get("/api/2.0/mlflow/users/current")
         if current.status_code != 200:
@@ -70,9 +78,9 @@ def check_can_log(uri: str, experiment: str) -> None:
             resource_type="experiment",
             resource_id=experiment_id,
         )
-    except requests.RequestException:
-        return
-    permission = rights.json().get("permission") if rights.status_code == 200 else None
+        permission = rights.json().get("permission") if rights.status_code == 200 else None
+    except (requests.RequestException, MlflowException, ValueError, KeyError):
+        return  # unreachable or not MLflow's answer: opening the run says what is wrong
     if permission is not None and permission not in CAN_LOG:
         raise UserError(
             f"tracking store {uri}: user '{user['username']}' has {permission} rights on "
@@ -97,22 +105,56 @@ def grant(
 
     if _credentials() is None:
         raise UserError(f"set {USERNAME_ENV} and {PASSWORD_ENV} to the admin's login first")
+    retry_on_our_schedule(uri)
     admin = get_app_client("basic-auth", tracking_uri=uri)
     written = None
     try:
-        admin.get_user(username)
+        if not _user_exists(admin, username, uri):
+            # The login is on disk before the user exists: a password nobody kept is useless.
+            credentials_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+            written = credentials_dir / f"{username}.env"
+            if written.exists():
+                raise UserError(f"{written} exists: a login is never replaced (remove it first)")
+            password = secrets.token_urlsafe(18)
+            write_secret(written, f"{USERNAME_ENV}={username}\n{PASSWORD_ENV}={password}\n")
+            try:
+                admin.create_user(username, password)
+            except BaseException:
+                written.unlink()
+                raise
+        client = MlflowClient(tracking_uri=uri)
+        found = client.get_experiment_by_name(experiment)
+        experiment_id = found.experiment_id if found else client.create_experiment(experiment)
+        try:
+            admin.grant_user_permission(username, "experiment", experiment_id, permission)
+        except MlflowException as exc:
+            if exc.error_code != "RESOURCE_ALREADY_EXISTS":
+                raise
+            # MLflow's client has no update of a user's grant: replaced, which leaves the
+            # user with the server's default rights for the moment between the two calls.
+            admin.revoke_user_permission(username, "experiment", experiment_id)
+            admin.grant_user_permission(username, "experiment", experiment_id, permission)
+    except UserError:
+        raise
     except MlflowException as exc:
-        if exc.get_http_status_code() == 401:
-            raise _refused_login(uri) from None
-        if exc.get_http_status_code() == 403:
-            raise UserError(f"only the tracking server's admin may manage users ({uri})") from None
-        password = secrets.token_urlsafe(18)
-        admin.create_user(username, password)
-        credentials_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        written = credentials_dir / f"{username}.env"
-        write_secret(written, f"{USERNAME_ENV}={username}\n{PASSWORD_ENV}={password}\n")
-    client = MlflowClient(tracking_uri=uri)
-    found = client.get_experiment_by_name(experiment)
-    experiment_id = found.experiment_id if found else client.create_experiment(experiment)
-    admin.grant_user_permission(username, "experiment", experiment_id, permission)
+        raise UserError(f"tracking store {uri}: {str(exc).splitlines()[0]}") from None
+    except Exception as exc:  # the store unreachable: requests' and urllib3's long texts
+        raise UserError(f"tracking store {uri} unreachable ({type(exc).__name__})") from None
     return written
+
+
+def _user_exists(admin, username: str, uri: str) -> bool:
+    from mlflow.exceptions import MlflowException
+
+    try:
+        admin.get_user(username)
+        return True
+    except MlflowException as exc:
+        status = exc.get_http_status_code()
+        if status == 401:
+            raise refused_login(uri) from None
+        if status == 403:
+            raise UserError(f"only the tracking server's admin may manage users ({uri})") from None
+        if status != 404:
+            raise
+        return False

@@ -5,8 +5,8 @@ PostgreSQL database and its artifacts in a bucket or a folder. This module only 
 way a shared, long-lived store must be set up:
 
 - The database is an embedded PostgreSQL (`pgserver`) in the server's home, reached through a
-  Unix socket only (nothing listens on the network), unless `--database-uri` names one of the
-  cloud's (RDS, Cloud SQL). The runs and the logins live in two databases of it.
+  Unix socket only (nothing listens on the network), unless $RAYTRAIN_LM_TRACKING_DATABASE_URI
+  names one of the cloud's (RDS, Cloud SQL). The runs and the logins live in two databases.
 - Logins are on. The admin's password is generated at the first start and written to
   `admin.env` (mode 0600, `KEY=VALUE` lines for `set -a; . FILE`), or, on a cluster, made
   where `ray up` runs (`raytrain-lm tracking login`) and mounted on every node beside Ray's
@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -37,6 +38,8 @@ READY_WAIT_S = 180.0  # an MLflow server imports for 10-20 s on a loaded 2-core 
 PERMISSIONS = ("NO_PERMISSIONS", "READ", "USE", "EDIT", "MANAGE")
 # Where the server keeps artifacts, as a cluster's login file can say (`tracking login`).
 ARTIFACTS_ENV = "RAYTRAIN_LM_TRACKING_ARTIFACTS"
+# A PostgreSQL of the cloud's (RDS, Cloud SQL) instead of the embedded one; holds its password.
+DATABASE_ENV = "RAYTRAIN_LM_TRACKING_DATABASE_URI"
 
 
 @dataclass(frozen=True)
@@ -117,6 +120,14 @@ def _flask_secret(home: ServerHome) -> str:
     return home.flask_secret.read_text().strip()
 
 
+def _with_driver(uri: str) -> str:
+    """MLflow's PostgreSQL driver is psycopg 3 (a dependency): said in the URI, so an older
+    SQLAlchemy, whose default for `postgresql://` is psycopg2, does not reach for that."""
+    from sqlalchemy.engine import make_url
+
+    return make_url(uri).set(drivername="postgresql+psycopg").render_as_string(hide_password=False)
+
+
 def _embedded_database(home: ServerHome):
     """An embedded PostgreSQL in `home`, with the two databases; its URIs use its socket."""
     import pgserver
@@ -127,7 +138,7 @@ def _embedded_database(home: ServerHome):
     }
     for name in {RUNS_DB, LOGINS_DB} - existing:
         server.psql(f"CREATE DATABASE {name};")
-    return server, server.get_uri(RUNS_DB), server.get_uri(LOGINS_DB)
+    return server, _with_driver(server.get_uri(RUNS_DB)), _with_driver(server.get_uri(LOGINS_DB))
 
 
 def _write_auth_config(home: ServerHome, logins_uri: str, default_permission: str) -> None:
@@ -135,21 +146,60 @@ def _write_auth_config(home: ServerHome, logins_uri: str, default_permission: st
         home.auth_config,
         "[mlflow]\n"
         f"default_permission = {default_permission}\n"
-        f"database_uri = {logins_uri}\n"
+        # configparser's interpolation reads `%`: a URL-encoded password must say `%%`
+        f"database_uri = {logins_uri.replace('%', '%%')}\n"
         f"admin_username = {ADMIN}\n"
         "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n",
     )
 
 
-def _database_uris(home: ServerHome, database_uri: str | None):
-    """(embedded server or None, runs URI, logins URI)."""
-    if database_uri is None:
+def _database_uris(home: ServerHome):
+    """(embedded server or None, runs URI, logins URI). A database of the cloud's is named by
+    DATABASE_ENV (it holds its password: never on a command line); the logins go in a
+    database of the same server named LOGINS_DB."""
+    given = os.environ.get(DATABASE_ENV)
+    if not given:
         return _embedded_database(home)
-    if not database_uri.startswith(("postgresql://", "postgresql+psycopg://")):
-        raise UserError(f"--database-uri {database_uri!r}: expected postgresql://...")
-    base, _, query = database_uri.rpartition("/")
-    logins = f"{base}/{LOGINS_DB}" + (f"?{query.partition('?')[2]}" if "?" in query else "")
-    return None, database_uri, logins
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        url = make_url(given)
+    except ArgumentError:
+        raise UserError(f"${DATABASE_ENV} is not a database URI") from None
+    if url.get_backend_name() != "postgresql":
+        raise UserError(f"${DATABASE_ENV}: expected postgresql://..., got {url.drivername}://...")
+    runs = url.set(drivername="postgresql+psycopg")
+    return (
+        None,
+        runs.render_as_string(hide_password=False),
+        runs.set(database=LOGINS_DB).render_as_string(hide_password=False),
+    )
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """A server still on the port (one being restarted) would answer our readiness check."""
+    with socket.socket() as probe:
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise UserError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+
+
+def _check_admin_login(url: str, login: Path) -> None:
+    """MLflow creates the admin once, from the first password it is given: a login file made
+    later (lost and made again, or another cluster's) would lock every run out."""
+    import requests
+
+    values = read_env_file(login)
+    auth = (values["MLFLOW_TRACKING_USERNAME"], values["MLFLOW_TRACKING_PASSWORD"])
+    answer = requests.get(f"{url}/api/2.0/mlflow/users/current", auth=auth, timeout=20)
+    if answer.status_code == 401:
+        raise UserError(
+            f"the admin login in {login} is not this server's admin (its database was set up "
+            "with another password): use that login file, or reset the admin's password "
+            "(docs/tracking.md)"
+        )
 
 
 def serve(
@@ -157,7 +207,6 @@ def serve(
     host: str = "127.0.0.1",
     port: int = 5000,
     artifacts: str | None = None,
-    database_uri: str | None = None,
     default_permission: str = "READ",
     workers: int = 2,
     admin_login: Path | None = None,
@@ -169,7 +218,8 @@ def serve(
         raise UserError(f"--default-permission {default_permission}: one of {PERMISSIONS}")
     home = ServerHome(Path(home).expanduser().resolve())
     home.root.mkdir(parents=True, exist_ok=True)
-    database, runs_uri, logins_uri = _database_uris(home, database_uri)
+    _check_port_free(host, port)
+    database, runs_uri, logins_uri = _database_uris(home)
     _write_auth_config(home, logins_uri, default_permission)
     login = Path(admin_login).expanduser() if admin_login else home.admin_env
     password = _admin_password(login)
@@ -179,25 +229,38 @@ def serve(
         "MLFLOW_AUTH_CONFIG_PATH": str(home.auth_config),
         "MLFLOW_AUTH_ADMIN_PASSWORD": password,
         "MLFLOW_FLASK_SERVER_SECRET_KEY": _flask_secret(home),
+        "MLFLOW_BACKEND_STORE_URI": runs_uri,  # not a command-line argument: it may hold a password
     }
     command = [
         sys.executable, "-m", "mlflow", "server", "--app-name", "basic-auth",
-        "--backend-store-uri", runs_uri, "--artifacts-destination", destination,
+        "--artifacts-destination", destination,
         "--host", host, "--port", str(port), "--workers", str(workers),
     ]  # fmt: skip
     with open(home.log, "a") as log:
         server = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
-    stop = lambda *_: server.terminate()  # noqa: E731
+    asked_to_stop = []
+
+    def stop(*_) -> None:
+        asked_to_stop.append(True)
+        server.terminate()
+
     signal.signal(signal.SIGTERM, stop)
     try:
         url = f"http://{host}:{port}"
         wait_ready(url, server, home.log)
+        _check_admin_login(url, login)
         print(f"[raytrain-lm] tracking server at {url} (logins on; the admin's in {login}; "
               f"artifacts in {destination}; log {home.log})", flush=True)  # fmt: skip
-        return server.wait()
+        code = server.wait()
+        return 0 if asked_to_stop else code
     except KeyboardInterrupt:
-        server.terminate()
-        return server.wait()
+        stop()
+        server.wait()
+        return 0
+    except UserError:
+        if asked_to_stop:  # stopped while starting: not a failure
+            return 0
+        raise
     finally:
         if server.poll() is None:
             server.kill()
@@ -215,7 +278,7 @@ def wait_ready(url: str, server: subprocess.Popen, log: Path) -> None:
             tail = log.read_text().strip().splitlines()[-1:] or ["(empty log)"]
             raise UserError(f"tracking server exited ({server.returncode}): {tail[0]} ({log})")
         try:
-            if requests.get(f"{url}/health", timeout=2).ok:
+            if requests.get(f"{url}/health", timeout=2).ok and server.poll() is None:
                 return
         except requests.RequestException:
             pass

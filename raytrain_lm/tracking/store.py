@@ -8,6 +8,9 @@ from pathlib import Path
 
 from raytrain_lm.errors import UserError
 
+# MLflow's client reads a login from these; so do we, never from a config or command line.
+USERNAME_ENV, PASSWORD_ENV = "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"
+
 
 def retry_on_our_schedule(uri: str) -> None:
     if uri.startswith(("http://", "https://")):
@@ -32,6 +35,15 @@ def is_permanent(exc: Exception) -> bool:
     return isinstance(exc, MlflowException) and exc.get_http_status_code() in (400, 404)
 
 
+def refused_login(uri: str) -> UserError:
+    who = os.environ.get(USERNAME_ENV)
+    said = f"the login of '{who}'" if who else "a client without a login"
+    return UserError(
+        f"tracking store {uri} refused {said} (HTTP 401): set {USERNAME_ENV} and "
+        f"{PASSWORD_ENV} in the environment (docs/tracking.md)"
+    )
+
+
 def refusal(exc: Exception, uri: str, experiment: str) -> UserError | None:
     """A server with logins that refused the environment's login (401) or its rights on
     `experiment` (403), said in one line; else None."""
@@ -39,10 +51,7 @@ def refusal(exc: Exception, uri: str, experiment: str) -> UserError | None:
 
     status = exc.get_http_status_code() if isinstance(exc, MlflowException) else None
     if status == 401:
-        return UserError(
-            f"tracking store {uri} refused the login (HTTP 401): set MLFLOW_TRACKING_USERNAME "
-            "and MLFLOW_TRACKING_PASSWORD in the environment (docs/tracking.md)"
-        )
+        return refused_login(uri)
     if status == 403:
         return UserError(
             f"tracking store {uri} refused to log to experiment '{experiment}' (HTTP 403): "
