@@ -43,10 +43,16 @@ FAST_HEALTH_CHECKS = {
 }
 
 
+# A node that failed to start for one of these is started again: it missed Ray's fixed 30 s
+# to register (a raylet on a loaded 2-core machine can), or the head's dashboard port, free
+# when chosen, was taken by the head's own GCS in the meantime (Ray picks that one itself).
+RETRYABLE = ("timed out during startup", "because it's already occupied")
+
+
 def _start_node(start: Callable[[], Any], attempts: int = 3) -> Any:
-    """Runs `start` (a `Cluster.add_node`), again if the node misses Ray's fixed 30 s to
-    register: on a loaded 2-core machine a raylet can. The failed attempt's processes (this
-    process's new descendants) are killed first, so no half-started node lingers."""
+    """Runs `start` (a `Cluster.add_node`), again if it failed for a RETRYABLE reason. The
+    failed attempt's processes (this process's new descendants) are killed first, so no
+    half-started node lingers."""
     import psutil
 
     me = psutil.Process()
@@ -55,15 +61,16 @@ def _start_node(start: Callable[[], Any], attempts: int = 3) -> Any:
         try:
             return start()
         except Exception as error:
-            if "timed out during startup" not in str(error) or attempt == attempts:
+            if not any(reason in str(error) for reason in RETRYABLE) or attempt == attempts:
                 raise
             leftovers = [p for p in me.children(recursive=True) if p.pid not in before]
             for process in leftovers:
                 with contextlib.suppress(psutil.NoSuchProcess):
                     process.kill()
             psutil.wait_procs(leftovers, timeout=10)
+            why = next(reason for reason in RETRYABLE if reason in str(error))
             print(
-                f"[raytrain-lm] a Ray node did not start in time; retrying ({attempt}/{attempts})"
+                f"[raytrain-lm] a Ray node did not start ({why}); retrying ({attempt}/{attempts})"
             )
     raise AssertionError("unreachable")
 
@@ -91,18 +98,20 @@ class LocalCluster:
         self.cpus_per_node = cpus_per_node
         self.node_ip = {"node_ip_address": node_ip} if node_ip else {}
         self.cluster = Cluster(initialize_head=False)
-        port = free_port()  # another Ray on this machine may hold 8265
-        self.api_server = f"http://127.0.0.1:{port}"
-        with naming_api_server(self.api_server):
-            _start_node(
-                lambda: self.cluster.add_node(
+
+        def start_head():
+            port = free_port()  # another Ray on this machine may hold 8265; a new one each try
+            self.api_server = f"http://127.0.0.1:{port}"
+            with naming_api_server(self.api_server):
+                return self.cluster.add_node(
                     num_cpus=head_cpus,
                     include_dashboard=True,  # Ray Train V2 polls the state API
                     dashboard_port=port,
                     _system_config=FAST_HEALTH_CHECKS,
                     **self.node_ip,
                 )
-            )
+
+        _start_node(start_head)
         self.nodes = [self.add_node() for _ in range(workers)]
         ray.init(address=self.cluster.address, _node_ip_address=node_ip)
 
