@@ -20,6 +20,7 @@ from raytrain_lm.config import flatten
 from raytrain_lm.rundir import TOKENIZER_FILE, RunDir
 from raytrain_lm.sweeps.plots import log_loss_curve
 from raytrain_lm.sweeps.spec import Sweep
+from raytrain_lm.tracking.access import check_can_log
 from raytrain_lm.tracking.mlflow_tracker import MLflowTracker
 
 TAG_SWEEP = "raytrain_lm.sweep"
@@ -32,6 +33,9 @@ TAG_PBT_VALUES = "raytrain_lm.pbt.values"
 def open_parent_run(sweep: Sweep, record: dict[str, Any], git_commit: str | None):
     """Starts the sweep's parent run, or reopens the one `record` names; logs the space,
     the sampler and the base config as params."""
+    # Before the sweep starts anything: a login the store refuses, or read-only rights
+    # (a trial's `train` asks again for its own run).
+    check_can_log(record["tracking_uri"], sweep.base["tracking"]["experiment"])
     parent = MLflowTracker.start(
         record["tracking_uri"],
         sweep.base["tracking"]["experiment"],

@@ -113,10 +113,9 @@ def grant(
             # The login is on disk before the user exists: a password nobody kept is useless.
             credentials_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
             written = credentials_dir / f"{username}.env"
-            if written.exists():
-                raise UserError(f"{written} exists: a login is never replaced (remove it first)")
             password = secrets.token_urlsafe(18)
-            write_secret(written, f"{USERNAME_ENV}={username}\n{PASSWORD_ENV}={password}\n")
+            login = f"{USERNAME_ENV}={username}\n{PASSWORD_ENV}={password}\n"
+            write_secret(written, login, replace=False)
             try:
                 admin.create_user(username, password)
             except BaseException:

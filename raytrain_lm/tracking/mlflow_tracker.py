@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 from raytrain_lm.redaction import redact
-from raytrain_lm.tracking.access import check_can_log
 from raytrain_lm.tracking.buffered_sender import BufferedSender
 from raytrain_lm.tracking.runs import open_run
 from raytrain_lm.tracking.store import (
@@ -53,7 +52,6 @@ class MLflowTracker(BufferedSender):
         (wait.py), then raises a `UserError` naming the store and `tracking.start_wait_s`."""
         retry_on_our_schedule(uri)
         check_local_store(uri)
-        check_can_log(uri, experiment)
         try:
             opened = open_when_reachable(
                 lambda: open_run(uri, experiment, run_name, run_id, parent_run_id),

@@ -73,9 +73,14 @@ class ServerHome:
         return self.root / "server.log"
 
 
-def write_secret(path: Path, text: str) -> None:
-    """Creates `path` readable by its owner only, from the first byte (no umask window)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+def write_secret(path: Path, text: str, *, replace: bool = True) -> None:
+    """Creates `path` readable by its owner only, from the first byte (no umask window).
+    `replace=False` is for logins, which are never replaced: an existing file is an error."""
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if replace else os.O_EXCL)
+    try:
+        fd = os.open(path, flags, 0o600)
+    except FileExistsError:
+        raise UserError(f"{path} exists: a login is never replaced (remove it first)") from None
     with os.fdopen(fd, "w") as out:
         out.write(text)
     os.chmod(path, 0o600)
@@ -94,8 +99,6 @@ def read_env_file(path: Path) -> dict[str, str]:
 def new_admin_login(path: Path, artifacts: str | None = None) -> None:
     """Writes the admin's login, with a generated password, to `path` (mode 0600); with
     `artifacts`, also where the server keeps them. Refuses to replace a login."""
-    if path.exists():
-        raise UserError(f"{path} exists: a login is never replaced (remove it first)")
     path.parent.mkdir(parents=True, exist_ok=True)
     lines = [
         "# The tracking server's admin (raytrain-lm tracking); keep this file private.",
@@ -104,7 +107,7 @@ def new_admin_login(path: Path, artifacts: str | None = None) -> None:
     ]
     if artifacts:
         lines.append(f"{ARTIFACTS_ENV}={artifacts}")
-    write_secret(path, "\n".join(lines) + "\n")
+    write_secret(path, "\n".join(lines) + "\n", replace=False)
 
 
 def _admin_password(login: Path) -> str:
