@@ -19,6 +19,7 @@ from raytrain_lm.trainer.components.spot_first import (
     DeadlineCapacity,
     current_market,
     margin_s,
+    returned_to_spot,
     slack_s,
 )
 
@@ -43,7 +44,9 @@ class Autoscaler:
         self.withdrawn += 1
 
 
-def _rule(market: str = SPOT, max_workers: int = 3, restart_s: float = 30.0):
+def _rule(
+    market: str = SPOT, max_workers: int = 3, restart_s: float = 30.0, returned: bool = False
+):
     autoscaler = Autoscaler()
     rule = DeadlineCapacity(
         market=market,
@@ -53,6 +56,7 @@ def _rule(market: str = SPOT, max_workers: int = 3, restart_s: float = 30.0):
         max_workers=max_workers,
         restart_s=restart_s,
         requests=autoscaler,
+        returned=returned,
     )
     return rule, autoscaler
 
@@ -127,6 +131,18 @@ def test_on_demand_phase_withdraws_the_extra_request_and_returns_to_spot_past_th
     assert autoscaler.withdrawn == 1 and not autoscaler.asked
 
 
+def test_back_on_spot_it_asks_again_only_once_behind_by_more_than_the_margin():
+    """The switch back's restart can outlast the measured one (the autoscaler removes the idle
+    nodes meanwhile): a run just behind the line after it would otherwise flap straight back."""
+    rule, autoscaler = _rule(returned=True)
+    just_behind = rule.check(step=100, world=2, now=150.0)  # 50 s behind, margin 60 s
+    assert just_behind.switch_to is None and not just_behind.notes and not autoscaler.asked
+    behind = rule.check(step=100, world=2, now=161.0)  # 61 s behind
+    (note,) = behind.notes
+    assert note.event == "capacity_request" and autoscaler.asked == [1]
+    assert note.fields["ask_below_s"] == -60.0 and note.fields["slack_s"] == -61.0
+
+
 def test_the_newest_switch_says_where_a_group_goes():
     assert current_market([]) == SPOT
     events = [
@@ -134,8 +150,9 @@ def test_the_newest_switch_says_where_a_group_goes():
         {"event": CAPACITY, "market": ON_DEMAND},
         {"event": "segment_start"},
     ]
-    assert current_market(events) == ON_DEMAND
-    assert current_market([*events, {"event": CAPACITY, "market": SPOT}]) == SPOT
+    assert current_market(events) == ON_DEMAND and not returned_to_spot(events)
+    back = [*events, {"event": CAPACITY, "market": SPOT}]
+    assert current_market(back) == SPOT and returned_to_spot(back)
 
 
 def test_spot_first_places_workers_on_spot_then_on_either():

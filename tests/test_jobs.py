@@ -275,7 +275,8 @@ def test_a_late_run_gets_an_on_demand_node_and_gives_it_back(local_cluster, stor
 
     events_when(run_dir, on_demand_group_started, 420)
     stop_pacing(run_dir)
-    wait_for_status(url, name, "SUCCEEDED", 420)
+    # Two restarts at most from here, each up to 4 minutes in CI (nodes removed and added again)
+    wait_for_status(url, name, "SUCCEEDED", 600)
     events = read_events(run_dir)
     kinds = [e["event"] for e in events]
     asked, *asked_again = [e for e in events if e["event"] == "capacity_request"]
@@ -287,11 +288,15 @@ def test_a_late_run_gets_an_on_demand_node_and_gives_it_back(local_cluster, stor
         max(0.01 * DEADLINE_S, 2 * decided[1]["restart_s"]), abs=0.2
     )
     # On a loaded machine the restart back on spot can outlast its margin (twice the mean
-    # restart so far; in CI it was 48 s behind 4 steps after the switch back): the spot group
-    # starts behind and asks again. That request is withdrawn once ahead, or served (one more switch
-    # to on-demand), or still stands when the run ends, which withdraws it (the on-demand node
-    # leaves, below). Only a group behind schedule asks, and only after the switch back.
-    assert all(a["slack_s"] < 0 and a["step"] >= decided[1]["step"] for a in asked_again), kinds
+    # restart so far; in CI it was 74 s behind after a 4-minute switch back, as the autoscaler
+    # had taken the idle spot nodes meanwhile). Back on spot, the group asks again only once
+    # behind by more than the margin. Such a request is withdrawn once ahead, or served (one
+    # more switch to on-demand), or still stands when the run ends, which withdraws it (the
+    # on-demand node leaves, below).
+    assert all(
+        a["slack_s"] < a["ask_below_s"] == -a["margin_s"] and a["step"] >= decided[1]["step"]
+        for a in asked_again
+    ), kinds
     withdrawn = [e for e in events if e["event"] == "capacity_withdrawn"]
     assert len(withdrawn) <= len(asked_again), kinds
     assert all(w["slack_s"] > w["margin_s"] for w in withdrawn), withdrawn

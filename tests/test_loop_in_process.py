@@ -37,6 +37,16 @@ def test_the_loop_here_trains_the_steps_of_a_ray_train_run(world_size_runs):
     assert read_state(complete_checkpoints(spec.run_dir)[-1]).step == steps
     assert read_ledger(spec.run_dir).tolist() == list(range(steps * 12))
     assert kept.steps[steps]["val/loss"] == ray.reports[-1]["val_loss"]
+    # Each checkpoint, once complete, is logged as a model of the run (tracking/models.py)
+    models = kept.checkpoint_models
+    assert [m.step for m in models] == [3, 6, 9, 12]
+    assert [m.location for m in models] == [
+        str(spec.run_dir.at(f"checkpoint_{step:09d}")) for step in (3, 6, 9, 12)
+    ]
+    assert models[-1].losses == {
+        "train_loss": ray.reports[-1]["train_loss"],
+        "val_loss": ray.reports[-1]["val_loss"],
+    }
 
 
 def test_a_stop_checkpoints_at_once_and_the_next_group_resumes_there(world_size_runs):

@@ -5,6 +5,7 @@ complete and intact (markers), writing and uploading one (writing), reading one 
 
 from raytrain_lm.checkpoints.contents import (
     CONFIG_FILE,
+    KEEP_FILE,
     MARKER_FILE,
     MODEL_FILE,
     OPTIMIZER_FILE,
@@ -30,6 +31,7 @@ from raytrain_lm.checkpoints.writing import save_checkpoint, upload_checkpoint
 
 __all__ = [
     "CONFIG_FILE",
+    "KEEP_FILE",
     "MARKER_FILE",
     "MODEL_FILE",
     "OPTIMIZER_FILE",

@@ -14,6 +14,9 @@ MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
 STATE_FILE = "train_state.json"
 MARKER_FILE = "COMPLETE"
+# Written into a checkpoint registered as a model version: pruning leaves it, as the registry
+# points at its bytes (there is no second copy).
+KEEP_FILE = "KEEP"
 PART_PREFIX = "PART-"  # one rank's listing of the files it wrote into a sharded checkpoint
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
-from raytrain_lm.checkpoints.contents import MARKER_FILE, TrainState
+from raytrain_lm.checkpoints.contents import KEEP_FILE, MARKER_FILE, TrainState
 from raytrain_lm.checkpoints.markers import is_complete, read_file
 from raytrain_lm.checkpoints.reading import read_state
 from raytrain_lm.rundir import RunDir
@@ -70,7 +70,8 @@ def best_checkpoint(run_dir: RunDir | str | Path) -> Location | None:
 
 
 def prune_checkpoints(run_dir: RunDir | str | Path, keep_last: int, keep_best: bool) -> list[str]:
-    """Deletes complete checkpoints beyond the newest `keep_last` (and the best by val loss).
+    """Deletes complete checkpoints beyond the newest `keep_last` (and the best by val loss),
+    except those kept for a registered model (`KEEP_FILE`: `raytrain-lm promote`).
 
     Incomplete folders are left alone: one may be an upload still in progress.
     """
@@ -80,7 +81,7 @@ def prune_checkpoints(run_dir: RunDir | str | Path, keep_last: int, keep_best: b
     best = _best(with_states) if keep_best else None
     if best is not None:
         keep.add(best)
-    removed = [p for p in found if p not in keep]
+    removed = [p for p in found if p not in keep and read_file(p, KEEP_FILE) is None]
     for location in removed:
         _complete_states.pop(location, None)
         fs, inner = filesystem(location)

@@ -68,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_tokenizer(commands)
     _add_config(commands)
     _add_generate(commands)
+    _add_promote(commands)
     _add_export(commands)
     _add_eval(commands)
     _add_sweep(commands)
@@ -125,9 +126,27 @@ def _add_config(commands) -> None:
     _with_config(config_commands.add_parser("show", help="print the resolved config"))
 
 
+RUN_HELP = "run name, run folder, checkpoint folder or models:/NAME@ALIAS"
+
+
+def _add_promote(commands) -> None:
+    promote = commands.add_parser(
+        "promote", help="register one of a run's checkpoints in MLflow's Model Registry"
+    )
+    promote.add_argument("run", help="run name or run folder")
+    which = promote.add_mutually_exclusive_group()
+    which.add_argument("--step", type=_POSITIVE_INT, help="the checkpoint of this step")
+    which.add_argument(
+        "--best", choices=["val_loss", "train_loss"], help="the checkpoint with the lowest"
+    )
+    promote.add_argument("--name", required=True, help="the registered model's name")
+    promote.add_argument("--alias", default="champion", help="alias of the new version")
+    promote.add_argument("--output-dir", default="runs")
+
+
 def _add_generate(commands) -> None:
     gen = commands.add_parser("generate", help="sample text from a run or checkpoint")
-    gen.add_argument("--run", required=True, help="run name, run folder or checkpoint folder")
+    gen.add_argument("--run", required=True, help=RUN_HELP)
     gen.add_argument("--prompt", default="")
     gen.add_argument("--tokens", type=_POSITIVE_INT, default=200, help="tokens to generate")
     gen.add_argument(
@@ -144,7 +163,7 @@ def _add_export(commands) -> None:
     export = commands.add_parser(
         "export", help="write a run's model as a Hugging Face transformers directory"
     )
-    export.add_argument("run", help="run name, run folder or checkpoint folder")
+    export.add_argument("run", help=RUN_HELP)
     export.add_argument("--format", default="hf", choices=["hf"], help="hf: transformers")
     export.add_argument("--out", required=True, help="folder to create (must not hold files)")
     export.add_argument("--output-dir", default="runs")
@@ -154,7 +173,7 @@ def _add_eval(commands) -> None:
     evaluation = commands.add_parser(
         "eval", help="a run's loss and perplexity on any text, logged to its MLflow run"
     )
-    evaluation.add_argument("run", help="run name, run folder or checkpoint folder")
+    evaluation.add_argument("run", help=RUN_HELP)
     evaluation.add_argument(
         "--data",
         nargs="+",

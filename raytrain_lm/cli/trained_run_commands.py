@@ -1,18 +1,36 @@
-"""Commands that read a trained run back: `generate`, `export` and `eval`."""
+"""Commands that read a trained run back: `generate`, `export`, `eval` (each also given a
+registered model, `models:/NAME@ALIAS`) and `promote`."""
 
 from __future__ import annotations
 
 import json
 
-TRAINED_RUN_COMMANDS = ("generate", "export", "eval")
+TRAINED_RUN_COMMANDS = ("generate", "export", "eval", "promote")
 
 
 def run_trained_run_command(args) -> int:
+    if args.command == "promote":
+        return _promote(args)
+    from raytrain_lm.registry import checkpoint_of
+
+    args.run = checkpoint_of(args.run)
     if args.command == "export":
         return _export(args)
     if args.command == "eval":
         return _evaluate(args)
     return _generate(args)
+
+
+def _promote(args) -> int:
+    from raytrain_lm.registry import promote
+
+    done = promote(args.run, args.name, args.alias, args.output_dir, args.step, args.best)
+    print(
+        f"[raytrain-lm] {done.name} version {done.version} is step {done.step} of run "
+        f"'{args.run}' ({done.checkpoint}, kept from pruning); {done.name}@{done.alias} "
+        f"points at it: models:/{done.name}@{done.alias}"
+    )
+    return 0
 
 
 def _export(args) -> int:

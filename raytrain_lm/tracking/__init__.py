@@ -11,6 +11,7 @@ send them after the worker that logged them is gone.
 - buffered_sender.py: what could not be stored yet, and the background thread storing it;
 - spool.py: unsent metrics on local disk, for the next tracker of the same run;
 - runs.py: which MLflow run a tracker logs to (reopened, found or created);
+- models.py: each complete checkpoint as a logged model of its run, and reading them back;
 - store.py: what a store's address and its errors tell (a store that cannot exist, errors
   that retrying cannot fix, MLflow's retries left to ours);
 - wait.py: waiting for a store that does not answer, before a run starts;

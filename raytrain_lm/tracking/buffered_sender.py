@@ -1,9 +1,10 @@
 """What a tracker could not store yet, and the background thread that stores it.
 
-A log call never waits on the store: metrics wait here and go in batches, as do params, tags,
-dataset inputs and artifacts that failed to go at once. While the store is down the thread
-retries with a backoff that grows with the outage, warns when the outage begins and says when
-it ends, and keeps the unsent metrics in this process's spool file (spool.py).
+A log call never waits on the store: metrics wait here and go in batches, as do checkpoints
+logged as models, and params, tags, dataset inputs and artifacts that failed to go at once.
+While the store is down the thread retries with a backoff that grows with the outage, warns
+when the outage begins and says when it ends, and keeps the unsent metrics in this process's
+spool file (spool.py).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class BufferedSender:
         self._params: list = []  # params, tags and inputs that could not be logged yet
         self._tags: list = []
         self._inputs: list = []
+        self._models: list = []  # checkpoints to log as models (models.py), in order
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._attempted = threading.Condition(self._lock)
@@ -54,7 +56,9 @@ class BufferedSender:
         for i in range(0, len(items), 100):
             chunk = items[i : i + 100]
             try:
-                if kind == "_params":
+                if kind == "_models":
+                    self._log_models(chunk)
+                elif kind == "_params":
                     self.client.log_batch(self.run_id, params=chunk)
                 elif kind == "_inputs":
                     self.client.log_inputs(self.run_id, datasets=chunk)
@@ -63,6 +67,18 @@ class BufferedSender:
             except Exception as exc:  # same params logged by an earlier attempt of this run
                 if "already logged" not in str(exc) and "Changing param" not in str(exc):
                     raise
+
+    def _log_models(self, models: list) -> None:
+        from raytrain_lm.tracking.models import log_checkpoint_model
+
+        for model in models:
+            try:
+                log_checkpoint_model(self.client, self.run_id, model)
+            except Exception as exc:
+                if not is_permanent(exc):
+                    raise
+                print(f"[raytrain-lm] warning: MLflow refused the model of step {model.step}: "
+                      f"{exc}", file=sys.stderr, flush=True)  # fmt: skip
 
     def _ensure_thread(self) -> None:
         if self._thread is None or not self._thread.is_alive():
@@ -94,7 +110,7 @@ class BufferedSender:
             self._send_all()
 
     def _unsent(self) -> int:
-        kept = len(self._params) + len(self._tags) + len(self._inputs)
+        kept = len(self._params) + len(self._tags) + len(self._inputs) + len(self._models)
         return len(self._pending) + len(self._artifacts) + len(self._unless_stored) + kept
 
     def _send_all(self) -> None:
@@ -114,7 +130,7 @@ class BufferedSender:
             self._attempted.notify_all()
 
     def _send_kept(self) -> None:
-        for kind in ("_params", "_tags", "_inputs"):
+        for kind in ("_params", "_tags", "_inputs", "_models"):
             with self._lock:
                 items = list(getattr(self, kind))
             if items:

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from raytrain_lm.tracking.models import CheckpointModel
 
 
 class Tracker(Protocol):
@@ -17,6 +20,7 @@ class Tracker(Protocol):
     @property
     def stored_through(self) -> int: ...
     def log_missing(self, steps: list[tuple[int, dict[str, float]]]) -> None: ...
+    def log_checkpoint(self, model: CheckpointModel) -> None: ...
 
 
 class NullTracker:
@@ -33,6 +37,9 @@ class NullTracker:
         pass
 
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        pass
+
+    def log_checkpoint(self, model: CheckpointModel) -> None:
         pass
 
     def flush(self) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 
 from raytrain_lm.redaction import redact
 from raytrain_lm.tracking.buffered_sender import BufferedSender
+from raytrain_lm.tracking.models import CheckpointModel
 from raytrain_lm.tracking.runs import open_run
 from raytrain_lm.tracking.store import (
     check_local_store,
@@ -107,6 +108,14 @@ class MLflowTracker(BufferedSender):
             with self._lock:
                 self._artifacts.append((str(path), artifact_path))
             self._ensure_thread()
+
+    def log_checkpoint(self, model: CheckpointModel) -> None:
+        """Logs a complete checkpoint as a model of the run (models.py), from the background
+        thread: the caller (an upload) never waits on the store."""
+        with self._lock:
+            self._models.append(model)
+        self._ensure_thread()
+        self._wake.set()
 
     # ------------------------------------------------------------------------------ metrics
 

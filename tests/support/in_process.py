@@ -83,6 +83,7 @@ class KeptMetrics:
 
     def __init__(self) -> None:
         self.steps: dict[int, dict[str, float]] = {}
+        self.checkpoint_models: list = []  # tracking/models.py's CheckpointModel, in order
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         self.steps.setdefault(step, {}).update(metrics)
@@ -91,6 +92,9 @@ class KeptMetrics:
     def log_missing(self, steps: list[tuple[int, dict[str, float]]]) -> None:
         for step, metrics in steps:
             self.log_metrics(metrics, step)
+
+    def log_checkpoint(self, model) -> None:
+        self.checkpoint_models.append(model)
 
     def flush(self) -> None:
         pass

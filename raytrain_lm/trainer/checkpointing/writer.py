@@ -19,6 +19,7 @@ from raytrain_lm.checkpoints import prune_checkpoints, save_checkpoint, upload_c
 from raytrain_lm.config import to_yaml
 from raytrain_lm.data import ledger
 from raytrain_lm.rundir import CONFIG_FILE, TOKENIZER_FILE
+from raytrain_lm.tracking.models import CheckpointModel
 from raytrain_lm.trainer import chaos
 from raytrain_lm.trainer.checkpointing.checkpoint_interval import interval_steps
 from raytrain_lm.trainer.components.metrics import per_type
@@ -73,7 +74,8 @@ class CheckpointWriter:
         # A chaos test's kill after this checkpoint means after it is complete: wait for it.
         final = final or chaos.targets(parts.spec.fault, "kill-after-checkpoint", state.step)
         try:
-            group.publish(report, local, wait=final, upload=self.upload)
+            group.publish(report, local, wait=final,
+                          upload=lambda local, name: self.upload(local, name, report))  # fmt: skip
         except OSError as exc:
             if group.upload_deadline is None:
                 raise
@@ -110,11 +112,12 @@ class CheckpointWriter:
         )  # fmt: skip
         return local
 
-    def upload(self, local: Path, name: str) -> str:
+    def upload(self, local: Path, name: str, report: dict) -> str:
         """The upload step of a published checkpoint (on a background thread for periodic
         ones): ours writes the marker last and rides out a bucket outage (see
-        checkpoint.upload_checkpoint), then prunes, which in a bucket is a listing and a few
-        requests that the training thread need not wait for. Returns where it went."""
+        checkpoint.upload_checkpoint); the chief then logs the complete checkpoint as a model
+        of the run and prunes, which in a bucket is a listing and a few requests that the
+        training thread need not wait for. Returns where it went."""
         parts, group = self.parts, self.group
         destination = parts.run_dir.at(name)
         upload_checkpoint(
@@ -125,6 +128,8 @@ class CheckpointWriter:
             gather_parts=group.world if parts.trainee.sharded and group.is_chief else 0,
         )
         c = parts.cfg.checkpoint
+        if group.is_chief:
+            parts.tracker.log_checkpoint(CheckpointModel.of(report["step"], destination, report))
         try:
             if group.is_chief:
                 prune_checkpoints(parts.run_dir, c.keep_last, c.keep_best)

@@ -11,7 +11,10 @@ while p x D >= t. Its slack, p x D - t, is how far ahead of that line it is, in 
   keeps training on spot meanwhile; once on-demand nodes for them are up, the chief ends the
   group at a step boundary with a checkpoint and the driver starts the next one without the
   spot marker, on spot and on-demand nodes alike. A run that is ahead again (past the margin
-  below) before the nodes came withdraws the request.
+  below) before the nodes came withdraws the request. A run back on spot after on-demand
+  nodes asks again only once it is behind by more than the margin: the switch back's own
+  restart (longer than measured when the autoscaler took the idle nodes meanwhile) must not
+  send it straight back.
 - Off spot, the new group's own resource request holds the on-demand nodes, so the extra one
   is withdrawn (by the driver as soon as Ray Train's request is in: fit.py). A slack above the
   margin (twice the run's measured restart, at least 1 % of D: the switch back must leave the
@@ -60,6 +63,11 @@ def margin_s(deadline_s: float, restart_s: float) -> float:
     return max(MIN_MARGIN_FRACTION * deadline_s, 2 * restart_s)
 
 
+def returned_to_spot(events: list[dict[str, Any]]) -> bool:
+    """Whether the run has given on-demand nodes back before."""
+    return any(e["event"] == CAPACITY and e["market"] == SPOT for e in events)
+
+
 def measured_restart_s(events: list[dict[str, Any]]) -> float:
     """The run's mean time from a group's end to the next one's first step, else the planner's
     default (a cloud node's replacement)."""
@@ -103,11 +111,14 @@ class DeadlineCapacity:
         max_workers: int,
         restart_s: float,
         requests: CapacityRequests,
+        returned: bool = False,
     ):
         self.market, self.deadline_s, self.first_start = market, deadline_s, first_start
         self.end_step, self.max_workers = end_step, max_workers
         self.restart_s, self.margin_s = restart_s, margin_s(deadline_s, restart_s)
         self.requests = requests
+        # Behind by more than this asks for on-demand nodes (a slack, so 0 or negative).
+        self.ask_below_s = -self.margin_s if returned else 0.0
         self.asked: int = 0  # on-demand workers asked for (spot phase)
         self.renewed_at = self.looked_at = 0.0
         self.said_full = False
@@ -129,9 +140,10 @@ class DeadlineCapacity:
             "world_size": world,
             "margin_s": round(self.margin_s, 1),
             "restart_s": round(self.restart_s, 1),
+            "ask_below_s": round(self.ask_below_s, 1),
         }
         decision = Decision()
-        asks = slack < 0 and self.max_workers > world
+        asks = slack < self.ask_below_s and self.max_workers > world
         if self.withdraw_pending and (self.market == ON_DEMAND or not asks):
             self.requests.withdraw()
         self.withdraw_pending = False
@@ -159,7 +171,7 @@ class DeadlineCapacity:
                     f"{self.margin_s:,.0f} s) before the on-demand nodes came: request withdrawn",
                 )
             )
-        elif slack < 0 or self.asked:  # behind, or asked and not yet past the margin
+        elif slack < self.ask_below_s or self.asked:  # behind, or asked and not yet ahead
             self._ask(step, world, slack, now, figures, decision)
         return decision
 

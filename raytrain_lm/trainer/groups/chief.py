@@ -57,6 +57,11 @@ class ChiefTracker:
     def log_missing(self, steps: Kept) -> None:
         self.tracker.log_missing(steps)
 
+    def log_checkpoint(self, model) -> None:
+        """The chief uploads checkpoints, so it logs them (idempotent per step: models.py)."""
+        if self.speaks():
+            self.tracker.log_checkpoint(model)
+
     def flush(self) -> None:
         self.tracker.flush()
 

@@ -25,7 +25,11 @@ from raytrain_lm.trainer.components.budget import BudgetGuard
 from raytrain_lm.trainer.components.cadence import Flags
 from raytrain_lm.trainer.components.parts import LoopParts
 from raytrain_lm.trainer.components.pending_values import WARMUP_STEPS
-from raytrain_lm.trainer.components.spot_first import DeadlineCapacity, measured_restart_s
+from raytrain_lm.trainer.components.spot_first import (
+    DeadlineCapacity,
+    measured_restart_s,
+    returned_to_spot,
+)
 from raytrain_lm.trainer.components.state import Settled
 from raytrain_lm.trainer.components.step import StepParts
 from raytrain_lm.trainer.components.trainee import Trainee, where_in_group
@@ -207,13 +211,15 @@ class StaticGroup:
         if cfg.scaling.capacity != "spot_first" or step >= parts.end_step:
             return False  # at the last step nothing is left to move (the run withdraws at exit)
         if self.budget.capacity is None:
+            events = read_events(parts.run_dir)
             self.budget.capacity = DeadlineCapacity(
                 market=self.spec.market,
                 deadline_s=cfg.budget.deadline_s,
                 first_start=self.budget.first_start,
                 end_step=parts.end_step,
                 max_workers=cfg.scaling.max_size,
-                restart_s=measured_restart_s(read_events(parts.run_dir)),
+                restart_s=measured_restart_s(events),
+                returned=returned_to_spot(events),
                 requests=OnDemandRequests(
                     cfg.name, cfg.scaling, parts.device.type == "cuda", parts.trainee.where.types[0]
                 ),
