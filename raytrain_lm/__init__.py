@@ -20,6 +20,7 @@ _PUBLIC = {
     "export": "raytrain_lm.api",
     "evaluate": "raytrain_lm.api",
     "metric_history": "raytrain_lm.results",
+    "checkpoint_models": "raytrain_lm.results",
     "sample": "raytrain_lm.results",
     "load_config": "raytrain_lm.config",
     "RunConfig": "raytrain_lm.config",
@@ -31,6 +32,7 @@ __all__ = [
     "export",
     "evaluate",
     "metric_history",
+    "checkpoint_models",
     "sample",
     "load_config",
     "RunConfig",
@@ -40,7 +42,7 @@ __all__ = [
 if TYPE_CHECKING:
     from raytrain_lm.api import evaluate, export, sweep, sweep_report, train
     from raytrain_lm.config import RunConfig, load_config
-    from raytrain_lm.results import metric_history, sample
+    from raytrain_lm.results import checkpoint_models, metric_history, sample
 
 
 def __getattr__(name: str) -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import posixpath
 from pathlib import Path
 from typing import Any
 
@@ -52,9 +53,17 @@ def sweep(sweep_file: str | Path, overrides: list[str] | None = None) -> dict[st
     PNG path and `interrupted` (True when the driver was stopped before the sweep ended).
     A trial that failed with a `UserError` has it raised here once the sweep has ended.
     """
+    import json
+
+    from raytrain_lm import audit
     from raytrain_lm.sweeps import load_sweep, run_sweep
 
-    return run_sweep(load_sweep(sweep_file, overrides))
+    loaded = load_sweep(sweep_file, overrides)
+    runs_at = posixpath.dirname(str(loaded.directory).rstrip("/"))
+    described = json.dumps({"spec": loaded.spec.model_dump(), "base": loaded.base}, default=str)
+    record = audit.new_record("sweep", config_digest=audit.digest(described), run=loaded.name)
+    audit.write(audit.storage_of(runs_at), record)
+    return run_sweep(loaded)
 
 
 def sweep_report(

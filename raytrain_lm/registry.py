@@ -14,10 +14,11 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from raytrain_lm import audit
 from raytrain_lm.checkpoints import KEEP_FILE, is_complete
 from raytrain_lm.config.tracking import TrackingConfig
 from raytrain_lm.errors import UserError
-from raytrain_lm.results import mlflow_run
+from raytrain_lm.results import mlflow_run, run_directory
 from raytrain_lm.storage import is_uri, join, write_bytes
 from raytrain_lm.tracking.models import CHECKPOINT_TAG, STEP_TAG, model_loss, run_models
 from raytrain_lm.tracking.store import refusal, retry_on_our_schedule
@@ -48,6 +49,7 @@ def promote(
     """Registers the run's checkpoint model at `step`, else the one with the lowest `best`
     loss, else its newest, as a new version of `name`, and points `alias` at it."""
     uri, run_id = mlflow_run(run, output_dir)
+    run_dir = run_directory(run, output_dir)
     client = _client(uri)
     with _refused_as_user_errors(uri):
         models = run_models(client, run_id)
@@ -64,6 +66,9 @@ def promote(
                 f"the checkpoint of step {chosen.tags[STEP_TAG]} ({location}) is gone, pruned "
                 f"by checkpoint.keep_last; complete ones are at steps {kept or 'none'}"
             )
+        record = audit.new_record("promote", run=run_dir.name, mlflow_run=run_id)
+        record["model"] = {"name": name, "alias": alias, "step": int(chosen.tags[STEP_TAG])}
+        audit.write(audit.storage_of(run_dir.parent), record)
         write_bytes(join(location, KEEP_FILE), f"registered as {name}\n".encode())
         _ensure_registered(client, name)
         # A server takes a local folder as a source only inside the run's artifacts: a
@@ -80,6 +85,8 @@ def promote(
             model_id=chosen.model_id,
         )
         client.set_registered_model_alias(name, alias, version.version)
+        client.set_tag(run_id, f"{audit.TAG_PREFIX}promote.{name}.v{version.version}",
+                       f"@{alias} by {record['user']}@{record['host']} at {record['time']}")  # fmt: skip
     return Promoted(name, str(version.version), alias, int(chosen.tags[STEP_TAG]), location, uri)
 
 

@@ -67,6 +67,33 @@ def metric_history(
     return frame
 
 
+def checkpoint_models(run: str | Path, output_dir: str | Path = "runs") -> pd.DataFrame:
+    """The run's checkpoints as MLflow logged models (tracking/models.py), one row per step:
+    its losses, the checkpoint's location, whether it is still there (pruning removes all
+    but `checkpoint.keep_last` and those promoted) and the model's id, for `raytrain-lm
+    promote`."""
+    import pandas as pd
+    from mlflow.tracking import MlflowClient
+
+    from raytrain_lm.checkpoints import is_complete
+    from raytrain_lm.tracking.models import CHECKPOINT_TAG, STEP_TAG, model_loss, run_models
+
+    uri, run_id = mlflow_run(run, output_dir)
+    rows = [
+        {
+            "step": int(model.tags[STEP_TAG]),
+            "train_loss": model_loss(model, "train_loss"),
+            "val_loss": model_loss(model, "val_loss"),
+            "checkpoint": model.tags[CHECKPOINT_TAG],
+            "kept": is_complete(model.tags[CHECKPOINT_TAG]),
+            "model_id": model.model_id,
+        }
+        for model in run_models(MlflowClient(tracking_uri=uri), run_id)
+    ]
+    columns = ["step", "train_loss", "val_loss", "checkpoint", "kept", "model_id"]
+    return pd.DataFrame(rows, columns=columns).set_index("step")
+
+
 def sample(
     run: str | Path,
     prompt: str = "def ",

@@ -11,6 +11,7 @@ Everything talks to the cluster from subprocesses: this pytest process holds its
 
 from __future__ import annotations
 
+import getpass
 import json
 import re
 import shutil
@@ -43,6 +44,7 @@ from support.jobs import (
     wait_for_status,
 )
 
+from raytrain_lm import audit
 from raytrain_lm.data.ledger import read_ledger
 from raytrain_lm.run_events.journal import read_events
 from raytrain_lm.rundir import RunDir
@@ -114,7 +116,8 @@ def test_run_asking_for_a100_scales_up_lands_there_and_scales_down(local_cluster
     url = local_cluster["dashboard"]
     assert state(url, ALIVE_WORKER_TYPES) == []  # only the head: no fake GPU node yet
     job = "a100-run"
-    sets = [arg for item in [*RUN, "name=a100-run"] for arg in ("--set", item)]
+    tracked = [item for item in RUN if item != "tracking.enabled=false"]  # its MLflow run, below
+    sets = [arg for item in [*tracked, "name=a100-run"] for arg in ("--set", item)]
     logs = submit(url, storage, job, *sets, timeout=900)
     summary = json.loads(
         next(line for line in logs.splitlines() if line.startswith("summary: "))[9:]
@@ -141,6 +144,23 @@ def test_run_asking_for_a100_scales_up_lands_there_and_scales_down(local_cluster
     # Same name again: the job resumes the finished run instead of training anew.
     again = submit(url, storage, f"{job}-2", *sets, timeout=600)
     assert "already trained to step 20" in again
+
+    # Each submit left a record in the storage's audit log, as `raytrain-lm audit` lists it,
+    # and tagged the MLflow run with the same facts.
+    listed = cli("audit", "--storage", str(storage), "--run", job, "--since", "1h")
+    lines = listed.stdout.splitlines()
+    assert listed.returncode == 0 and len(lines) == 2, listed.stdout + listed.stderr
+    assert all(f" submit run={job} job_id={job}" in line for line in lines), lines
+    assert f"job_id={job}-2 cluster={url}" in lines[1]
+    submitted = [r for r in audit.read(storage, run=job) if r["job_id"] == job][0]
+    assert submitted["user"] == getpass.getuser() and len(submitted["git_commit"]) == 40
+    assert "submit" in submitted["command"] and submitted["config_digest"]
+    from mlflow.tracking import MlflowClient
+
+    store = MlflowClient(f"sqlite:///{storage}/mlflow.db")
+    tags = store.get_run(summary["mlflow_run_id"]).data.tags
+    ours = {key: value for key, value in tags.items() if key.startswith(audit.TAG_PREFIX)}
+    assert ours == audit.mlflow_tags(submitted)  # the second job found the run finished
 
     # idle_timeout_minutes is 0.25 in cluster/local.yaml; allow for the autoscaler's lag
     deadline = time.time() + 170  # a kept request would hold the node for 180 s
@@ -191,6 +211,8 @@ def test_demo_config_gets_cpu_nodes_and_a_stop_checkpoints_then_frees_them(local
     wait_for_log(url, "demo-cpu", "/100000 | loss", 600)
     stop = cli("stop", "demo-cpu", "--address", url)
     assert stop.returncode == 0 and "demo-cpu: stopping: the run checkpoints" in stop.stdout
+    actions = [(r["action"], r["job_id"]) for r in audit.read(storage, run="demo-cpu")]
+    assert actions == [("submit", "demo-cpu"), ("stop", "demo-cpu")]  # before it acted
     wait_for_status(url, "demo-cpu", "STOPPED", 300)
     logs = cli("logs", "demo-cpu", "--address", url).stdout
     checkpointed = [line for line in logs.splitlines() if "stop: just-in-time checkpoint" in line]

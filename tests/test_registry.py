@@ -8,7 +8,7 @@ import pytest
 from conftest import TINY
 
 import raytrain_lm
-from raytrain_lm import cli
+from raytrain_lm import audit, cli
 from raytrain_lm.checkpoints import (
     KEEP_FILE,
     complete_checkpoints,
@@ -72,6 +72,12 @@ def test_each_complete_checkpoint_is_a_model_of_its_run(promoted_run):
     outputs = {(o.model_id, o.step) for o in run.outputs.model_outputs}
     assert outputs == {(m.model_id, int(m.tags[STEP_TAG])) for m in models}
 
+    table = raytrain_lm.checkpoint_models("registered", output_dir=promoted_run)  # notebook 01's
+    assert table.index.tolist() == [10, 20, 30] and table["kept"].tolist() == [False, True, True]
+    assert table["val_loss"].to_dict() == val and table["model_id"].tolist() == [
+        m.model_id for m in models
+    ]
+
 
 def test_promote_the_best_then_sample_it_through_its_alias(promoted_run, monkeypatch, capsys):
     uri, run_id = mlflow_run("registered", promoted_run)
@@ -98,6 +104,18 @@ def test_promote_the_best_then_sample_it_through_its_alias(promoted_run, monkeyp
         STEP_TAG: best.tags[STEP_TAG],
         CHECKPOINT_TAG: location,
     }
+
+    # The promotion is in the audit log beside the runs (the refused ones left none) and on
+    # the MLflow run.
+    (record,) = audit.read(promoted_run.parent)
+    assert record["action"] == "promote" and record["mlflow_run"] == run_id
+    assert record["model"] == {
+        "name": "tiny-lm",
+        "alias": "champion",
+        "step": int(best.tags[STEP_TAG]),
+    }
+    tag = _client(uri).get_run(run_id).data.tags[f"{audit.TAG_PREFIX}promote.tiny-lm.v1"]
+    assert tag.startswith(f"@champion by {record['user']}@")
 
     sample = ["--prompt", "def ", "--tokens", "8", "--seed", "3"]
     assert cli.run(["generate", "--run", "models:/tiny-lm@champion", *sample]) == 0

@@ -19,7 +19,7 @@ from support.noise import noise_in
 from support.sweep_files import write_sweep
 
 import raytrain_lm
-from raytrain_lm import cli
+from raytrain_lm import audit, cli
 from raytrain_lm.config import RunConfig
 from raytrain_lm.errors import UserError
 from raytrain_lm.run_events.journal import read_events
@@ -231,6 +231,9 @@ def test_asha_sweep_interrupted_then_restored_on_a_tracking_server(
     summary = raytrain_lm.sweep(path)  # the same command again: restores
     assert summary["trials"] == 3 and summary["errored"] == 0 and not summary["interrupted"]
     assert signal.getsignal(signal.SIGINT) is ctrl_c  # Tune's handler does not outlive it
+    records = audit.read(tmp_path)  # the first start and this one, the same sweep each time
+    assert [(r["action"], r["run"]) for r in records] == [("sweep", "asha3")] * 2
+    assert records[0]["config_digest"] == records[1]["config_digest"]
 
     client, children, parent = _children(mlflow_server.uri, sweep_dir)
     assert parent.info.status == "FINISHED" and parent.data.tags["raytrain_lm.sweep"] == "asha3"
@@ -346,6 +349,8 @@ def test_a_pbt_sweep_keeps_everything_in_a_bucket(
 
     keys = s3.keys(sweep_dir)
     assert {"sweep.json", "report.png"} <= set(keys), keys
+    (record,) = audit.read(bucket)  # the audit log beside the runs, in the bucket too
+    assert record["action"] == "sweep" and record["run"] == "cloud-pbt" and record["config_digest"]
     assert any(k.startswith("tune/") for k in keys), keys  # Tune's storage_path
     assert any(k.startswith("data/") and k.endswith("/manifest.json") for k in s3.keys(bucket))
     client, children, parent = _children(f"sqlite:///{shared_dirs['mlflow']}", sweep_dir)

@@ -1,11 +1,11 @@
-"""`submit`, `status`, `logs`, `stop` (Ray jobs on a cluster) and `cluster up`/`down` (the
-local autoscaling cluster)."""
+"""`submit`, `status`, `logs`, `stop` (Ray jobs on a cluster), `cluster up`/`down` (the
+local autoscaling cluster) and `audit` (the records they leave: audit.py)."""
 
 from __future__ import annotations
 
 from raytrain_lm.errors import UserError
 
-CLUSTER_COMMANDS = ("submit", "status", "logs", "stop", "cluster")
+CLUSTER_COMMANDS = ("submit", "status", "logs", "stop", "cluster", "audit")
 STOP_OUTCOMES = {
     "stopping": "stopping: the run checkpoints at its next step, then ends (resubmit to "
     "resume); `raytrain-lm stop {job}` again ends it at once, without that checkpoint",
@@ -21,6 +21,8 @@ def run_cluster_command(args, short_overrides: list[str]) -> int:
         raise UserError(f"`{args.command}` takes no config overrides")
     if args.command == "cluster":
         return _cluster_up_or_down(args)
+    if args.command == "audit":
+        return _audit(args)
 
     from raytrain_lm.clusters import jobs
 
@@ -33,9 +35,27 @@ def run_cluster_command(args, short_overrides: list[str]) -> int:
     return _stop(jobs, args)
 
 
+def _audit(args) -> int:
+    from raytrain_lm import audit
+
+    since = audit.since_time(args.since) if args.since else None
+    records = audit.read(args.storage, args.run, since)
+    for record in records:
+        print(audit.line(record))
+    if not records:
+        print(
+            f"no records under {audit.folder(args.storage)}"
+            + (f" for run {args.run}" if args.run else "")
+        )
+    return 0
+
+
 def _cluster_up_or_down(args) -> int:
+    from raytrain_lm import audit
     from raytrain_lm.clusters import autoscaling
 
+    # The local cluster's jobs keep their runs in this working directory (jobs.default_storage)
+    audit.write(".", audit.new_record(f"cluster {args.cluster_command}", cluster=args.dir))
     if args.cluster_command == "up":
         state = autoscaling.up(args.config, args.dir)
         print(f"local cluster up: Ray at {state['address']}, jobs at {state['dashboard']}")

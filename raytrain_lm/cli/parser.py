@@ -73,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_eval(commands)
     _add_sweep(commands)
     _add_cluster_commands(commands)
+    _add_audit(commands)
     add_tracking_commands(commands, _Parser, _POSITIVE_INT)
     return parser
 
@@ -142,6 +143,17 @@ def _add_promote(commands) -> None:
     promote.add_argument("--name", required=True, help="the registered model's name")
     promote.add_argument("--alias", default="champion", help="alias of the new version")
     promote.add_argument("--output-dir", default="runs")
+
+
+def _add_audit(commands) -> None:
+    audit = commands.add_parser(
+        "audit", help="who submitted, stopped, swept, promoted or started what, and when"
+    )
+    audit.add_argument("--run", help="this run's records only")
+    audit.add_argument("--since", help="a duration back (30m, 2h, 7d) or a date (2026-12-07)")
+    audit.add_argument(
+        "--storage", default=".", help="where the runs are: a folder (default .) or s3://..."
+    )
 
 
 def _add_generate(commands) -> None:

@@ -10,6 +10,7 @@ cluster's setup installed. Clusters run with token auth: the client needs the cl
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import os
 import re
@@ -19,7 +20,10 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from raytrain_lm import audit
+from raytrain_lm.clusters import job_audit
 from raytrain_lm.clusters.autoscaling import read_state
+from raytrain_lm.config import to_yaml
 from raytrain_lm.errors import UserError
 from raytrain_lm.trainer.chaos import ENV_VAR as FAULT_ENV_VAR
 from raytrain_lm.trainer.driver.stopping import STOP_ACKNOWLEDGED
@@ -39,6 +43,7 @@ UPLOAD_EXCLUDES = [
     "mlruns/",
     "mlartifacts/",
     "mlflow.db",
+    "/audit/",
     "__pycache__",
     "*.egg-info",
     ".pytest_cache",
@@ -233,6 +238,10 @@ def submit(
     command, cfg = entrypoint(config, overrides, working, storage)
     jobs = client(address)
     submission_id = job_id or f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    record = job_audit.record_submit(
+        to_yaml(cfg), storage, writable_here(storage, address), resolve_address(address),
+        submission_id, cfg.name, working,
+    )  # fmt: skip
     # Ray's own default excludes are among UPLOAD_EXCLUDES: turned off (an empty list, as Ray
     # documents), Ray no longer warns at every submit that it leaves each of them out.
     os.environ.setdefault(RAY_DEFAULT_EXCLUDES_ENV, "")
@@ -260,9 +269,10 @@ def submit(
                         ),
                         # Chaos tests' injected faults (trainer/chaos.py) travel with the job.
                         **{k: v for k, v in os.environ.items() if k == FAULT_ENV_VAR},
+                        audit.AUDIT_ENV: json.dumps(record),
                     },
                 },
-                metadata={"raytrain_lm_run": cfg.name},
+                metadata={"raytrain_lm_run": cfg.name, "raytrain_lm_storage": storage},
             )
             break
         except Exception as exc:
@@ -318,7 +328,9 @@ def stop(job_id: str, address: str | None = None) -> str:
         info = jobs.get_job_info(job_id)
         if getattr(info.status, "value", str(info.status)) in ("SUCCEEDED", "FAILED", "STOPPED"):
             return "already finished"
-        if STOP_ACKNOWLEDGED in jobs.get_job_logs(job_id):
+        forced = STOP_ACKNOWLEDGED in jobs.get_job_logs(job_id)
+        _audit_stop(jobs, info, job_id, address, forced)
+        if forced:
             _force(jobs, info, job_id)
             return "forced"
         jobs.stop_job(job_id)
@@ -327,6 +339,22 @@ def stop(job_id: str, address: str | None = None) -> str:
         raise
     except Exception as exc:
         raise UserError(f"job {job_id}: {_first_line(exc)}") from None
+
+
+def writable_here(storage: str, address: str | None) -> bool:
+    """Whether this machine writes to the job's storage itself: a bucket, or a folder of a
+    cluster whose head runs here."""
+    return is_bucket_storage(storage) or head_runs_here(resolve_address(address))
+
+
+def _audit_stop(jobs, info, job_id: str, address: str | None, forced: bool) -> None:
+    metadata = info.metadata or {}
+    # A job submitted some other way went where this machine's jobs would go by default.
+    storage = metadata.get("raytrain_lm_storage") or default_storage(address, ".")
+    job_audit.record_stop(
+        jobs, storage, writable_here(storage, address), resolve_address(address), job_id,
+        metadata.get("raytrain_lm_run"), forced,
+    )  # fmt: skip
 
 
 def _force(jobs, info, job_id: str) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from raytrain_lm import audit
 from raytrain_lm.checkpoints import (
     check_strategy_resumes,
     ever_checkpointed,
@@ -126,6 +127,7 @@ def train(
                   f"{state.step}, {state.tokens:,} tokens", flush=True)  # fmt: skip
         # Nothing is written before the tracking store answered: a run refused here leaves
         # no trace.
+        tags = {**(tags or {}), **audit.job_record(cfg.output_dir)}  # who submitted it
         tracker = _open_tracking(cfg, run_dir, parent_run_id, tags)
         _record_start(cfg, run_dir, data_dir, tracker)
 
