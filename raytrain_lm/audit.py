@@ -48,7 +48,8 @@ AUDIT_ENV = "RAYTRAIN_LM_AUDIT"  # a submitted job's record, for its driver
 TAG_PREFIX = "raytrain_lm.audit."
 TAGGED = ("action", "time", "user", "host", "cluster", "git_commit", "git_dirty",
           "config_digest", "job_id")  # fmt: skip
-_URL_PASSWORD = re.compile(r"(://[^/:@\s]+:)[^@/\s]+@")
+# user:password@ in a URL; the password may hold / and @ (the last @ ends it)
+_URL_PASSWORD = re.compile(r"(://[^/:@\s]*:)\S*@")
 
 
 def new_record(
@@ -69,8 +70,8 @@ def new_record(
         "user": getpass.getuser(),
         "host": socket.gethostname(),
         "action": action,
-        "cluster": cluster,
-        "command": [hide_secrets(word) for word in _command()],
+        "cluster": hide_secrets(cluster) if cluster else cluster,
+        "command": hidden_command(_command()),
         "git_commit": commit,
         "git_dirty": dirty,
         "config_digest": config_digest,
@@ -89,6 +90,18 @@ def _command() -> list[str]:
     ):
         return ["raytrain-lm", *sys.argv[1:]]
     return list(sys.argv)
+
+
+def hidden_command(words: list[str]) -> list[str]:
+    """`words` with every secret hidden: `key=value` words (hide_secrets), and the value
+    after a credential's key written as its own word (`--data.hf_token VALUE`, as the CLI
+    takes an override)."""
+    hidden = []
+    for i, word in enumerate(words):
+        previous = words[i - 1] if i else ""
+        named = previous.startswith("--") and "=" not in previous and looks_secret(previous[2:])
+        hidden.append(REDACTED if named else hide_secrets(word))
+    return hidden
 
 
 def hide_secrets(word: str) -> str:
@@ -130,7 +143,7 @@ def write(storage: str | Path, record: dict[str, Any]) -> str:
     time (created exclusively in a folder; a name no other record has in a bucket)."""
     where = folder(storage)
     stamp = record["time"].replace(":", "").replace("-", "").replace(".", "")
-    name = f"{stamp}-{record['action']}-{uuid.uuid4().hex[:8]}.json"
+    name = f"{stamp}-{record['action'].replace(' ', '_')}-{uuid.uuid4().hex[:8]}.json"
     path = f"{where}/{name}"
     data = (json.dumps(record, sort_keys=True) + "\n").encode()
     try:
@@ -227,8 +240,13 @@ def job_record(output_dir: str) -> dict[str, str]:
 
 
 def storage_of(output_dir: str | Path) -> str:
-    """The storage whose `runs` folder is `output_dir`: where the audit log goes."""
-    return posixpath.dirname(str(output_dir).rstrip("/")) or "."
+    """The storage whose `runs` folder is `output_dir`: where the audit log goes (a bucket's
+    root when `output_dir` is one)."""
+    path = str(output_dir).rstrip("/")
+    scheme, separator, rest = path.partition("://")
+    if separator and "/" not in rest:
+        return path
+    return posixpath.dirname(path) or "."
 
 
 def script_writing(storage: str, record: dict[str, Any]) -> str:
@@ -240,7 +258,8 @@ def script_writing(storage: str, record: dict[str, Any]) -> str:
         "d = os.path.join(os.path.expandvars(os.path.expanduser(sys.argv[1])), 'audit'); "
         "os.makedirs(d, exist_ok=True); "
         "s = r['time'].replace(':', '').replace('-', '').replace('.', ''); "
-        "f = open(os.path.join(d, s + '-' + r['action'] + '-' + uuid.uuid4().hex[:8] + '.json'), 'x'); "
+        "a = r['action'].replace(' ', '_'); "
+        "f = open(os.path.join(d, s + '-' + a + '-' + uuid.uuid4().hex[:8] + '.json'), 'x'); "
         "f.write(sys.argv[2] + '\\n'); f.close()"
     )
     return f"python -c {shlex.quote(code)} {shlex.quote(storage)} {shlex.quote(data)}"

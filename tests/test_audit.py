@@ -39,16 +39,18 @@ def test_a_record_says_who_ran_what_from_which_code_and_hides_secrets(repo, monk
     head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout
     monkeypatch.setattr(sys, "argv", [
         "/home/ann/venv/bin/raytrain-lm", "submit", "--set", "tracking.uri=postgresql://ann:s3cret@db/mlflow",
-        "--set", "data.hf_token=hf_abc", "--set", "optim.lr=3e-4",
+        "--set", "data.hf_token=hf_abc", "--set", "optim.lr=3e-4", "--data.api_key", "k2",
     ])  # fmt: skip
-    record = audit.new_record("submit", cluster="http://head:8265", job_id="j1", run="r1")
+    record = audit.new_record("submit", cluster="https://ann:pw@head", job_id="j1", run="r1")
+    assert record["cluster"] == "https://ann:***@head"
     assert record["git_commit"] == head.strip() and record["git_dirty"] is False
     assert record["command"][:2] == ["raytrain-lm", "submit"]  # as typed, wherever it ran
     assert record["command"][3:] == [
         "tracking.uri=postgresql://ann:***@db/mlflow", "--set", "data.hf_token=***",
-        "--set", "optim.lr=3e-4",
+        "--set", "optim.lr=3e-4", "--data.api_key", "***",
     ]  # fmt: skip
-    assert "s3cret" not in json.dumps(record) and "hf_abc" not in json.dumps(record)
+    for secret in ("s3cret", "hf_abc", "k2", ":pw@"):
+        assert secret not in json.dumps(record), secret
     (repo / "train.py").write_text("print(2)\n")
     assert audit.new_record("stop")["git_dirty"] is True
     tags = audit.mlflow_tags(record)
@@ -65,6 +67,27 @@ def test_the_log_only_grows_one_object_per_record_and_reads_back_filtered(tmp_pa
     assert audit.read(tmp_path, since=audit.since_time("2999-01-01")) == []
     with pytest.raises(UserError, match="--since 'yesterday': write a duration"):
         audit.since_time("yesterday")
+
+
+def test_the_log_sits_beside_the_runs_folder():
+    assert audit.storage_of("runs") == "." and audit.storage_of("/data/team/runs/") == "/data/team"
+    assert audit.storage_of("s3://bucket/team/runs") == "s3://bucket/team"
+    assert audit.storage_of("s3://bucket") == "s3://bucket"  # runs at a bucket's root
+
+
+def test_a_submitter_that_cannot_write_the_log_leaves_it_to_the_cluster(tmp_path, capsys):
+    """A laptop without the bucket's credentials (only the nodes hold them): the job's driver
+    writes the record instead, and stops the run if it cannot either."""
+    from raytrain_lm.clusters import job_audit
+
+    (tmp_path / "audit").write_text("not a folder")
+    record = job_audit.record_submit("a: 1\n", str(tmp_path), True, "http://h", "j", "r", tmp_path)
+    assert record["written_by"] == "job" and "the cluster writes the audit record" in (
+        capsys.readouterr().out
+    )
+    record = job_audit.record_submit("a: 1\n", str(tmp_path / "ok"), True, "http://h", "j", "r",
+                                     tmp_path)  # fmt: skip
+    assert "written_by" not in record and len(audit.read(tmp_path / "ok")) == 1
 
 
 def test_a_record_in_a_bucket_is_a_new_object(s3):

@@ -143,6 +143,16 @@ def test_back_on_spot_it_asks_again_only_once_behind_by_more_than_the_margin():
     assert note.fields["ask_below_s"] == -60.0 and note.fields["slack_s"] == -61.0
 
 
+def test_back_on_schedule_after_the_return_it_asks_as_any_run_does():
+    """The margin covers the switch back only: a run that caught up again and then fell
+    behind (near the deadline, a margin late would be too late) asks at once."""
+    rule, autoscaler = _rule(returned=True)
+    assert not rule.check(step=100, world=2, now=150.0).notes  # 50 s behind: the switch back
+    assert not rule.check(step=200, world=2, now=190.0).notes  # 10 s ahead: on schedule
+    (note,) = rule.check(step=210, world=2, now=215.0).notes  # 5 s behind
+    assert note.event == "capacity_request" and note.fields["ask_below_s"] == 0.0
+
+
 def test_the_newest_switch_says_where_a_group_goes():
     assert current_market([]) == SPOT
     events = [

@@ -82,7 +82,7 @@ def test_each_complete_checkpoint_is_a_model_of_its_run(promoted_run):
 def test_promote_the_best_then_sample_it_through_its_alias(promoted_run, monkeypatch, capsys):
     uri, run_id = mlflow_run("registered", promoted_run)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    with pytest.raises(UserError, match="step 10 .* is gone, pruned by checkpoint.keep_last"):
+    with pytest.raises(UserError, match="step 10 .* is not there: pruned by checkpoint.keep_last"):
         cli.run(["promote", "registered", "--step", "10", "--name", "tiny-lm",
                  "--output-dir", str(promoted_run)])  # fmt: skip
     with pytest.raises(UserError, match=r"no checkpoint model at step 15; it has \[10, 20, 30\]"):

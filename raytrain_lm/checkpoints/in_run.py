@@ -81,10 +81,13 @@ def prune_checkpoints(run_dir: RunDir | str | Path, keep_last: int, keep_best: b
     best = _best(with_states) if keep_best else None
     if best is not None:
         keep.add(best)
-    removed = [p for p in found if p not in keep and read_file(p, KEEP_FILE) is None]
-    for location in removed:
+    removed = []
+    for location in (p for p in found if p not in keep):
+        if read_file(location, KEEP_FILE) is not None:  # read last: a promotion may be under way
+            continue
         _complete_states.pop(location, None)
         fs, inner = filesystem(location)
         with contextlib.suppress(OSError):
             fs.delete_dir(inner)
+        removed.append(location)
     return removed

@@ -1,6 +1,7 @@
 """The audit records of a job's `submit` and `stop` (audit.py), written where the job's
-storage is: by this machine when it can reach it (a bucket, or a cluster whose head runs
-here), else on the head, by the job's driver (submit) or by a one-line job (stop)."""
+storage is: by this machine when it can write there (a bucket it has credentials for, or a
+cluster whose head runs here), else on the head, by the job's driver (submit) or by a one-line
+job (stop)."""
 
 from __future__ import annotations
 
@@ -25,11 +26,22 @@ def record_submit(
         "submit", cluster=cluster, config_digest=audit.digest(config_yaml), job_id=job_id,
         run=run, working_dir=working_dir,
     )  # fmt: skip
-    if here:
-        audit.write(storage, record)
-    else:
+    if not (here and _written(storage, record)):
         record["written_by"] = "job"
     return record
+
+
+def _written(storage: str, record: dict[str, Any]) -> bool:
+    """Writes `record` from this machine; False (said in a line) when it cannot, as a laptop
+    without the bucket's credentials, which only the cluster's nodes hold: the head writes
+    it instead, and an error there stops the action all the same."""
+    try:
+        audit.write(storage, record)
+    except UserError:
+        print(f"[raytrain-lm] this machine cannot write under {audit.folder(storage)}: the "
+              "cluster writes the audit record there instead", flush=True)  # fmt: skip
+        return False
+    return True
 
 
 def record_stop(
@@ -39,8 +51,7 @@ def record_stop(
     record = audit.new_record(
         "stop --force" if forced else "stop", cluster=cluster, job_id=job_id, run=run
     )
-    if here:
-        audit.write(storage, record)
+    if here and _written(storage, record):
         return
     writer = jobs.submit_job(
         entrypoint=audit.script_writing(storage, record),

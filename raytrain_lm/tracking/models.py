@@ -5,8 +5,8 @@ A model is logged once its checkpoint's marker is written: by rank 0, from the t
 background thread, so that neither a step nor an upload waits on the store. Its weights stay
 where the checkpoint is: MLflow's model holds the checkpoint's location as a tag, its step, the
 losses at that step linked to it (with the run's dataset input, the manifest's digest), and
-the run names it among its outputs at that step. Logging is idempotent per step: a retry after
-an outage, or a resumed run that checkpoints a step again, finds the model already there.
+the run names it among its outputs at that step. Logging is idempotent per checkpoint: a retry
+after an outage finds the model already there.
 """
 
 from __future__ import annotations
@@ -38,24 +38,31 @@ class CheckpointModel:
 
 
 def run_models(client, run_id: str, ready_only: bool = True) -> list:
-    """The run's checkpoint models by step: ready ones (else also those left pending by an
-    outage between their creation and their end)."""
-    run = client.get_run(run_id)
-    found = client.search_logged_models(
-        [run.info.experiment_id], filter_string=f"source_run_id = '{run_id}'", max_results=1000
-    )
+    """The run's checkpoint models by step, then by when they were logged (a step trained
+    again after a restart has a model per checkpoint): ready ones (else also those left
+    pending by an outage between their creation and their end)."""
+    experiment_id = client.get_run(run_id).info.experiment_id
+    found, token = [], None
+    while True:
+        page = client.search_logged_models(
+            [experiment_id], filter_string=f"source_run_id = '{run_id}'", page_token=token
+        )
+        found.extend(page)
+        token = page.token
+        if not token:
+            break
     ours = [m for m in found if m.model_type == MODEL_TYPE and STEP_TAG in m.tags]
     if ready_only:
         ours = [m for m in ours if str(m.status).endswith("READY")]
-    return sorted(ours, key=lambda m: int(m.tags[STEP_TAG]))
+    return sorted(ours, key=lambda m: (int(m.tags[STEP_TAG]), m.creation_timestamp))
 
 
 def log_checkpoint_model(client, run_id: str, model: CheckpointModel) -> str:
-    """Logs `model` unless the run has one ready for its step; returns its model id."""
+    """Logs `model` unless the run has one ready for its checkpoint; returns its model id."""
     from mlflow.entities import LoggedModelOutput
 
     for existing in run_models(client, run_id, ready_only=False):
-        if int(existing.tags[STEP_TAG]) != model.step:
+        if existing.tags.get(CHECKPOINT_TAG) != model.location:
             continue
         if str(existing.status).endswith("READY"):
             return existing.model_id
@@ -81,8 +88,9 @@ def log_checkpoint_model(client, run_id: str, model: CheckpointModel) -> str:
             dataset_name=dataset.name if dataset else None,
             dataset_digest=dataset.digest if dataset else None,
         )
-    client.finalize_logged_model(logged.model_id, "READY")
+    # READY last: a model is ready only once everything about it is stored
     client.log_outputs(run_id, [LoggedModelOutput(logged.model_id, model.step)])
+    client.finalize_logged_model(logged.model_id, "READY")
     return logged.model_id
 
 

@@ -65,6 +65,9 @@ class CheckpointWriter:
             "val_loss": state.val_loss,
             "tokens_per_s": throughput.tokens_per_s,
         }
+        # As a model of the run: its val loss only when measured at its own step
+        evaluated = state.val_step == state.step
+        model = {**report, "val_loss": report["val_loss"] if evaluated else None}
         saving = time.perf_counter()
         local = self._save(final)
         save_s = time.perf_counter() - saving  # the training's pause (uploads overlap steps)
@@ -75,7 +78,7 @@ class CheckpointWriter:
         final = final or chaos.targets(parts.spec.fault, "kill-after-checkpoint", state.step)
         try:
             group.publish(report, local, wait=final,
-                          upload=lambda local, name: self.upload(local, name, report))  # fmt: skip
+                          upload=lambda local, name: self.upload(local, name, model))  # fmt: skip
         except OSError as exc:
             if group.upload_deadline is None:
                 raise
@@ -112,7 +115,7 @@ class CheckpointWriter:
         )  # fmt: skip
         return local
 
-    def upload(self, local: Path, name: str, report: dict) -> str:
+    def upload(self, local: Path, name: str, model: dict) -> str:
         """The upload step of a published checkpoint (on a background thread for periodic
         ones): ours writes the marker last and rides out a bucket outage (see
         checkpoint.upload_checkpoint); the chief then logs the complete checkpoint as a model
@@ -129,7 +132,7 @@ class CheckpointWriter:
         )
         c = parts.cfg.checkpoint
         if group.is_chief:
-            parts.tracker.log_checkpoint(CheckpointModel.of(report["step"], destination, report))
+            parts.tracker.log_checkpoint(CheckpointModel.of(model["step"], destination, model))
         try:
             if group.is_chief:
                 prune_checkpoints(parts.run_dir, c.keep_last, c.keep_best)

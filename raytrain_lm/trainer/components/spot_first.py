@@ -12,9 +12,9 @@ while p x D >= t. Its slack, p x D - t, is how far ahead of that line it is, in 
   group at a step boundary with a checkpoint and the driver starts the next one without the
   spot marker, on spot and on-demand nodes alike. A run that is ahead again (past the margin
   below) before the nodes came withdraws the request. A run back on spot after on-demand
-  nodes asks again only once it is behind by more than the margin: the switch back's own
-  restart (longer than measured when the autoscaler took the idle nodes meanwhile) must not
-  send it straight back.
+  nodes asks again only once it is behind by more than the margin, until it is on schedule
+  again: the switch back's own restart (longer than measured when the autoscaler took the
+  idle nodes meanwhile) must not send it straight back, and later it asks as any run does.
 - Off spot, the new group's own resource request holds the on-demand nodes, so the extra one
   is withdrawn (by the driver as soon as Ray Train's request is in: fit.py). A slack above the
   margin (twice the run's measured restart, at least 1 % of D: the switch back must leave the
@@ -117,7 +117,8 @@ class DeadlineCapacity:
         self.end_step, self.max_workers = end_step, max_workers
         self.restart_s, self.margin_s = restart_s, margin_s(deadline_s, restart_s)
         self.requests = requests
-        # Behind by more than this asks for on-demand nodes (a slack, so 0 or negative).
+        # Behind by more than this asks for on-demand nodes (a slack, so 0 or negative);
+        # back from on-demand nodes, the margin until the run is on schedule again.
         self.ask_below_s = -self.margin_s if returned else 0.0
         self.asked: int = 0  # on-demand workers asked for (spot phase)
         self.renewed_at = self.looked_at = 0.0
@@ -143,6 +144,8 @@ class DeadlineCapacity:
             "ask_below_s": round(self.ask_below_s, 1),
         }
         decision = Decision()
+        if slack >= 0:
+            self.ask_below_s = 0.0  # on schedule again: the switch back is behind it
         asks = slack < self.ask_below_s and self.max_workers > world
         if self.withdraw_pending and (self.market == ON_DEMAND or not asks):
             self.requests.withdraw()

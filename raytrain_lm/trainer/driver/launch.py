@@ -125,9 +125,9 @@ def train(
             refuse_if_spent(cfg.budget, cfg.name, run_dir)
             print(f"[raytrain-lm] resuming run '{cfg.name}' from {previous.name}: step "
                   f"{state.step}, {state.tokens:,} tokens", flush=True)  # fmt: skip
-        # Nothing is written before the tracking store answered: a run refused here leaves
-        # no trace.
-        tags = {**(tags or {}), **audit.job_record(cfg.output_dir)}  # who submitted it
+        # Who submitted it, written first (audit.py); nothing of the run is written before
+        # the tracking store answered: a run refused here leaves no trace in its folder.
+        tags = {**(tags or {}), **audit.job_record(cfg.output_dir)}
         tracker = _open_tracking(cfg, run_dir, parent_run_id, tags)
         _record_start(cfg, run_dir, data_dir, tracker)
 

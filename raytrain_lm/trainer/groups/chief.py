@@ -58,7 +58,7 @@ class ChiefTracker:
         self.tracker.log_missing(steps)
 
     def log_checkpoint(self, model) -> None:
-        """The chief uploads checkpoints, so it logs them (idempotent per step: models.py)."""
+        """The chief uploads checkpoints, so it logs them (idempotent per checkpoint: models.py)."""
         if self.speaks():
             self.tracker.log_checkpoint(model)
 
