@@ -142,9 +142,7 @@ def write(storage: str | Path, record: dict[str, Any]) -> str:
     """Appends `record` to the log under `storage`; returns where it went. A new object each
     time (created exclusively in a folder; a name no other record has in a bucket)."""
     where = folder(storage)
-    stamp = record["time"].replace(":", "").replace("-", "").replace(".", "")
-    name = f"{stamp}-{record['action'].replace(' ', '_')}-{uuid.uuid4().hex[:8]}.json"
-    path = f"{where}/{name}"
+    path = f"{where}/{new_name(record)}"
     data = (json.dumps(record, sort_keys=True) + "\n").encode()
     try:
         if is_uri(where):
@@ -161,6 +159,13 @@ def write(storage: str | Path, record: dict[str, Any]) -> str:
             f"({type(exc).__name__}: {exc}); nothing was done"
         ) from None
     return path
+
+
+def new_name(record: dict[str, Any]) -> str:
+    """A record's object name: its time (so a listing is in order), its action and a random
+    suffix no other record has."""
+    stamp = record["time"].replace(":", "").replace("-", "").replace(".", "")
+    return f"{stamp}-{record['action'].replace(' ', '_')}-{uuid.uuid4().hex[:8]}.json"
 
 
 def read(storage: str | Path, run: str | None = None, since: float | None = None) -> list[dict]:
@@ -252,14 +257,11 @@ def storage_of(output_dir: str | Path) -> str:
 def script_writing(storage: str, record: dict[str, Any]) -> str:
     """A one-line job writing `record` under `storage` on the head (a folder there that this
     machine cannot reach), with the standard library only, exclusively as `write` does."""
-    data = json.dumps(record, sort_keys=True)
     code = (
-        "import json, os, sys, uuid; r = json.loads(sys.argv[2]); "
+        "import os, sys; "
         "d = os.path.join(os.path.expandvars(os.path.expanduser(sys.argv[1])), 'audit'); "
         "os.makedirs(d, exist_ok=True); "
-        "s = r['time'].replace(':', '').replace('-', '').replace('.', ''); "
-        "a = r['action'].replace(' ', '_'); "
-        "f = open(os.path.join(d, s + '-' + a + '-' + uuid.uuid4().hex[:8] + '.json'), 'x'); "
-        "f.write(sys.argv[2] + '\\n'); f.close()"
+        "f = open(os.path.join(d, sys.argv[2]), 'x'); f.write(sys.argv[3] + '\\n'); f.close()"
     )
-    return f"python -c {shlex.quote(code)} {shlex.quote(storage)} {shlex.quote(data)}"
+    words = [storage, new_name(record), json.dumps(record, sort_keys=True)]
+    return f"python -c {shlex.quote(code)} " + " ".join(shlex.quote(w) for w in words)

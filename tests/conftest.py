@@ -57,15 +57,21 @@ def shared_dirs(tmp_path_factory) -> dict[str, Path]:
     return {"data": root / "data", "mlflow": root / "mlflow.db"}
 
 
-@pytest.fixture
-def tiny_overrides(tmp_path, shared_dirs) -> list[str]:
-    """Tiny-model overrides writing runs under tmp_path, sharing prepared data and MLflow."""
+def shared_run_overrides(output_dir: Path, shared_dirs: dict[str, Path]) -> list[str]:
+    """Tiny-model overrides writing runs under output_dir, sharing the session's prepared data
+    and MLflow store."""
     return [
         *TINY,
-        f"output_dir={tmp_path / 'runs'}",
+        f"output_dir={output_dir}",
         f"data.cache_dir={shared_dirs['data']}",
         f"tracking.uri=sqlite:///{shared_dirs['mlflow']}",
     ]
+
+
+@pytest.fixture
+def tiny_overrides(tmp_path, shared_dirs) -> list[str]:
+    """Tiny-model overrides writing runs under tmp_path, sharing prepared data and MLflow."""
+    return shared_run_overrides(tmp_path / "runs", shared_dirs)
 
 
 @pytest.fixture(scope="session")
@@ -103,10 +109,7 @@ def learned_run(ray_session, tmp_path_factory, shared_dirs) -> dict:
 
     output_dir = tmp_path_factory.mktemp("learned") / "runs"
     overrides = [
-        *TINY,
-        f"output_dir={output_dir}",
-        f"data.cache_dir={shared_dirs['data']}",
-        f"tracking.uri=sqlite:///{shared_dirs['mlflow']}",
+        *shared_run_overrides(output_dir, shared_dirs),
         "name=learns",
         "model.arch=llama",
         "model.n_kv_head=1",
@@ -141,10 +144,7 @@ def world_size_runs(ray_session, tmp_path_factory, shared_dirs) -> dict:
 
     output_dir = tmp_path_factory.mktemp("world-sizes") / "runs"
     common = [
-        *TINY,
-        f"output_dir={output_dir}",
-        f"data.cache_dir={shared_dirs['data']}",
-        f"tracking.uri=sqlite:///{shared_dirs['mlflow']}",
+        *shared_run_overrides(output_dir, shared_dirs),
         f"training.global_batch_size={BATCH}",
         "training.micro_batch_size=1",
         f"training.max_steps={STEPS}",

@@ -124,14 +124,19 @@ def test_the_audit_command_lists_the_records(tmp_path, capsys):
 
 def test_a_remote_heads_record_is_written_by_a_one_line_standard_library_script(tmp_path):
     """What a stop sends to a remote head whose storage is a folder there: run here as the
-    head's shell would, twice, it leaves two records that read back as they were sent."""
+    head's shell would, two stops leave two records that read back as they were sent, and the
+    same command run again never overwrites its record."""
     record = audit.new_record("stop", run="far", job_id="far-1")
-    command = audit.script_writing(str(tmp_path / "head-storage"), record)
-    for _ in range(2):
-        # The job's `python` is the cluster's; only the standard library is needed
-        path = f"{Path(sys.executable).parent}:/usr/bin:/bin"
+    storage = str(tmp_path / "head-storage")
+    commands = [audit.script_writing(storage, record) for _ in range(2)]
+    # The job's `python` is the cluster's; only the standard library is needed
+    path = f"{Path(sys.executable).parent}:/usr/bin:/bin"
+    for command in commands:
         subprocess.run(["bash", "-c", command], check=True, env={"PATH": path})
-    assert audit.read(tmp_path / "head-storage") == [record, record]
+    assert audit.read(storage) == [record, record]
+    again = subprocess.run(["bash", "-c", commands[0]], capture_output=True, env={"PATH": path})
+    assert again.returncode != 0 and b"FileExistsError" in again.stderr
+    assert audit.read(storage) == [record, record]
 
 
 def test_a_jobs_driver_writes_the_record_its_submitter_could_not_and_tags_its_run(

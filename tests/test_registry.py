@@ -5,7 +5,7 @@ alias, and `generate` samples it through `models:/NAME@ALIAS`, as a user types t
 from __future__ import annotations
 
 import pytest
-from conftest import TINY
+from conftest import shared_run_overrides
 
 import raytrain_lm
 from raytrain_lm import audit, cli
@@ -27,10 +27,7 @@ def promoted_run(tmp_path_factory, shared_dirs, ray_session):
     """30 steps, a checkpoint and an evaluation every 10, the last 2 checkpoints kept."""
     runs = tmp_path_factory.mktemp("registry") / "runs"
     overrides = [
-        *TINY,
-        f"output_dir={runs}",
-        f"data.cache_dir={shared_dirs['data']}",
-        f"tracking.uri=sqlite:///{shared_dirs['mlflow']}",
+        *shared_run_overrides(runs, shared_dirs),
         "name=registered",
         "training.max_steps=30",
         "training.eval_every=10",

@@ -37,11 +37,11 @@ class CheckpointModel:
         return cls(step, location, losses)
 
 
-def run_models(client, run_id: str, ready_only: bool = True) -> list:
+def run_models(client, run_id: str, ready_only: bool = True, run=None) -> list:
     """The run's checkpoint models by step, then by when they were logged (a step trained
     again after a restart has a model per checkpoint): ready ones (else also those left
-    pending by an outage between their creation and their end)."""
-    experiment_id = client.get_run(run_id).info.experiment_id
+    pending by an outage between their creation and their end). `run`: the run, if read."""
+    experiment_id = (run or client.get_run(run_id)).info.experiment_id
     found, token = [], None
     while True:
         page = client.search_logged_models(
@@ -61,13 +61,13 @@ def log_checkpoint_model(client, run_id: str, model: CheckpointModel) -> str:
     """Logs `model` unless the run has one ready for its checkpoint; returns its model id."""
     from mlflow.entities import LoggedModelOutput
 
-    for existing in run_models(client, run_id, ready_only=False):
+    run = client.get_run(run_id)
+    for existing in run_models(client, run_id, ready_only=False, run=run):
         if existing.tags.get(CHECKPOINT_TAG) != model.location:
             continue
         if str(existing.status).endswith("READY"):
             return existing.model_id
         client.finalize_logged_model(existing.model_id, "FAILED")  # half-logged before
-    run = client.get_run(run_id)
     datasets = run.inputs.dataset_inputs if run.inputs else []
     dataset = datasets[0].dataset if datasets else None
     logged = client.create_logged_model(
