@@ -321,12 +321,15 @@ def test_kuberay_requests_fit_the_named_machine_after_gkes_reservations():
             continue  # half a CPU on any node
         pod = template["spec"]
         machine = pod["nodeSelector"]["node.kubernetes.io/instance-type"]
-        (container,) = pod["containers"]
-        requests, limits = container["resources"]["requests"], container["resources"]["limits"]
-        assert requests == limits, group  # Ray sizes itself from the limits
+        cpu = memory_gib = 0.0
+        for container in pod["containers"]:  # the head's tracking server beside Ray
+            resources = container["resources"]
+            assert resources["requests"] == resources["limits"], group  # Ray sizes from limits
+            cpu += _cpus(resources["requests"]["cpu"])
+            memory_gib += _gib(resources["requests"]["memory"])
         cpus, memory = schedulable(machine)
-        assert _cpus(requests["cpu"]) <= cpus, (group, machine, requests["cpu"], cpus)
-        assert _gib(requests["memory"]) <= memory, (group, machine, requests["memory"], memory)
+        assert cpu <= cpus, (group, machine, cpu, cpus)
+        assert memory_gib <= memory, (group, machine, memory_gib, memory)
 
 
 def test_kuberay_pods_run_as_non_root_without_privileges():
@@ -379,9 +382,87 @@ def test_a_network_policy_admits_only_each_clusters_own_pods_to_its_ports():
             (source,) = rule["from"]
             if source["podSelector"]["matchLabels"] == own:
                 assert "namespaceSelector" not in source  # this namespace's pods only
+            elif source["podSelector"]["matchLabels"].get(CLUSTER_LABEL) in labels:
+                # Another cluster's pods (the RayJob's), to the tracking server only.
+                assert "namespaceSelector" not in source
+                assert rule["ports"] == [{"protocol": "TCP", "port": 5000}]
             else:
                 # The operator polls the Jobs API; nothing else of Ray's is open to it.
                 assert source["podSelector"]["matchLabels"] == {
                     "app.kubernetes.io/name": "kuberay-operator"
                 }
                 assert rule["ports"] == [{"protocol": "TCP", "port": 8265}]
+
+
+TRACKING_URL = "http://raytrain-lm-head-svc:5000"
+LOGIN_SECRET = "raytrain-lm-tracking-login"
+
+
+def test_kuberay_ray_containers_log_to_the_heads_tracking_server_with_the_secrets_login():
+    for label, group, template in _ray_pods():
+        if group == "submitter":
+            continue
+        (ray,) = [c for c in template["spec"]["containers"] if c["name"].startswith("ray-")]
+        env = {item["name"]: item.get("value") for item in ray["env"]}
+        assert env["MLFLOW_TRACKING_URI"] == TRACKING_URL, (label, group)
+        assert ray["envFrom"] == [{"secretRef": {"name": LOGIN_SECRET}}], (label, group)
+        assert not any("PASSWORD" in name for name in env), (label, group)  # only from the Secret
+
+
+def test_kuberay_head_runs_the_tracking_server_on_a_volume_that_outlives_it():
+    from raytrain_lm.cli.parser import build_parser
+
+    cluster = next(d for d in _kuberay_documents() if d["kind"] == "RayCluster")
+    head = cluster["spec"]["headGroupSpec"]["template"]["spec"]
+    containers = {c["name"]: c for c in head["containers"]}
+    server = containers["tracking"]
+    assert server["command"][:3] == ["python", "-m", "raytrain_lm.cli"]
+    args = build_parser().parse_args(server["command"][3:])  # what the CLI accepts
+    assert (args.tracking_command, args.host, args.port) == ("serve", "0.0.0.0", 5000)
+    mounts = {m["name"]: m for m in server["volumeMounts"]}
+    assert mounts["tracking"]["mountPath"] == args.home
+    assert mounts["tracking-login"]["mountPath"] == args.admin_login
+    assert mounts["tracking-login"]["readOnly"] is True
+    volumes = {v["name"]: v for v in head["volumes"]}
+    claim = volumes["tracking"]["persistentVolumeClaim"]["claimName"]
+    (volume,) = [d for d in _kuberay_documents() if d["kind"] == "PersistentVolumeClaim"]
+    assert volume["metadata"]["name"] == claim
+    assert volumes["tracking-login"]["secret"]["secretName"] == LOGIN_SECRET
+    # MLflow answers the Service's name (its default Host list is localhost and private IPs).
+    allowed = {e["name"]: e["value"] for e in server["env"]}["MLFLOW_SERVER_ALLOWED_HOSTS"]
+    from mlflow.server.security_utils import is_allowed_host_header
+
+    hosts = [h.strip() for h in allowed.split(",")]
+    for host in ("raytrain-lm-head-svc:5000", "localhost:5000", "0.0.0.0:5000"):
+        assert is_allowed_host_header(hosts, host), host
+    assert head["securityContext"]["fsGroupChangePolicy"] == "OnRootMismatch"  # PostgreSQL's 0700
+    # The head Service carries the port, so TRACKING_URL reaches the server.
+    assert {"containerPort": 5000, "name": "mlflow"} in containers["ray-head"]["ports"]
+    # The RayJob's pods, which log there, are admitted to that port and no other.
+    policy = next(
+        d for d in _kuberay_documents()
+        if d["kind"] == "NetworkPolicy" and d["metadata"]["name"] == "raytrain-lm"
+    )  # fmt: skip
+    job_rule = [
+        rule for rule in policy["spec"]["ingress"]
+        if rule["from"][0].get("podSelector", {}).get("matchLabels", {}).get(
+            "raytrain-lm/cluster") == "raytrain-lm-demo-l4"
+    ]  # fmt: skip
+    assert job_rule and job_rule[0]["ports"] == [{"protocol": "TCP", "port": 5000}]
+
+
+def test_a_login_mounted_from_a_kubernetes_secret_reads_as_its_env_file(tmp_path):
+    """Kubernetes mounts a Secret as a folder: the real files in `..data/`, a link per key."""
+    data = tmp_path / "..2026_12_07"
+    data.mkdir()
+    (data / "MLFLOW_TRACKING_USERNAME").write_text("admin")
+    (data / "MLFLOW_TRACKING_PASSWORD").write_text("s3cret\n")
+    (tmp_path / "..data").symlink_to(data.name)
+    for key in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
+        (tmp_path / key).symlink_to(f"..data/{key}")
+    from raytrain_lm.tracking.server import read_env_file
+
+    assert read_env_file(tmp_path) == {
+        "MLFLOW_TRACKING_USERNAME": "admin",
+        "MLFLOW_TRACKING_PASSWORD": "s3cret",
+    }

@@ -6,11 +6,16 @@ too). A whole `cluster up`/`down` leaving no process behind: tests/test_jobs.py.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import psutil
+from support.jobs import cli
 
 from raytrain_lm.clusters.autoscaling import CLUSTER_ENV, _pids
 
@@ -60,3 +65,20 @@ def test_cluster_down_finds_an_orphan_that_names_nothing(tmp_path):
         assert _pids(tmp_path / "another") == []
     finally:
         os.kill(orphan, signal.SIGKILL)
+
+
+def test_cluster_up_with_its_tracking_port_taken_says_so_and_starts_nothing(tmp_path):
+    directory = Path(tempfile.mkdtemp(prefix="rtlm-", dir="/tmp"))  # short: Ray's socket paths
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        up = cli("cluster", "up", "--dir", str(directory), "--tracking-home",
+                 str(tmp_path / "tracking"), "--tracking-port", str(port))  # fmt: skip
+    assert up.returncode == 2, up.stderr[-2000:]
+    (line,) = up.stderr.strip().splitlines()
+    assert line.startswith("raytrain-lm: error: the tracking server did not start: cannot "
+                           f"listen on 127.0.0.1:{port}: Address already in use")  # fmt: skip
+    assert "another --tracking-port, or --no-tracking" in line
+    assert _pids(directory) == [] and not (directory / "cluster.json").exists()
+    shutil.rmtree(directory)

@@ -7,6 +7,7 @@ advertise; uploads and `ray up`'s rsync leave out runs and data but keep the pac
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import shutil
@@ -197,7 +198,8 @@ def test_rayjob_runs_what_submit_sends():
     words = shlex.split(job["spec"]["entrypoint"])
     config = words[4]
     assert (ROOT / config).is_file()
-    user = [w for w in words[words.index("scaling.ray_address=auto") + 1 :] if w != "--set"]
+    moved = ("output_dir=", "data.cache_dir=", "tracking.uri=", "scaling.ray_address=")
+    user = [w for w in words[5:] if w != "--set" and not w.startswith(moved)]
     expected, _ = entrypoint(config, user, ROOT, RAYJOB_STORAGE)
     assert " ".join(job["spec"]["entrypoint"].split()) == expected
     assert f"output_dir={RAYJOB_STORAGE}/runs" in words
@@ -371,8 +373,9 @@ def test_submit_puts_relative_outputs_in_a_bucket(storage):
     prefix = storage.rstrip("/")
     assert moved["output_dir"] == f"{prefix}/runs"
     assert moved["data.cache_dir"] == f"{prefix}/data"
-    # sqlite cannot live in a bucket: the database stays on the head, where the driver runs.
-    assert moved["tracking.uri"] == "sqlite:///$HOME/raytrain-lm/mlflow.db"
+    # sqlite cannot live in a bucket: without the cluster's server the database stays on the
+    # head, where the driver runs.
+    assert moved["tracking.uri"] == "${MLFLOW_TRACKING_URI:-sqlite:///$HOME/raytrain-lm/mlflow.db}"
     assert '"output_dir=' + prefix + '/runs"' in command  # quoted like the head paths
 
 
@@ -397,10 +400,39 @@ def test_submit_leaves_absolute_outputs_and_servers_alone_with_a_bucket():
 
 
 def test_submit_keeps_a_relative_sqlite_file_under_a_folder_storage():
-    command, _ = entrypoint("experiments/demo.yaml", ["name=x"], ROOT, "/mnt/store/")
-    moved = _moved(command)
-    assert moved["output_dir"] == "/mnt/store/runs"
-    assert moved["tracking.uri"] == "sqlite:////mnt/store/mlflow.db"
+    command, _ = entrypoint(
+        "experiments/demo.yaml",
+        ["name=x", "tracking.uri=sqlite:///runs.db", "output_dir=mine"],
+        ROOT,
+        "/mnt/store/",
+    )
+    settings = _settings(command)
+    # Once each: the user's relative paths, moved (given again after, they would win).
+    assert [v for k, v in settings if k == "tracking.uri"] == ["sqlite:////mnt/store/runs.db"]
+    assert [v for k, v in settings if k == "output_dir"] == ["/mnt/store/mine"]
+
+
+def test_a_moved_path_wins_over_a_section_the_user_set():
+    command, _ = entrypoint("experiments/demo.yaml", ["data={cache_dir: mine}"], ROOT, "/mnt/store")
+    settings = _settings(command)
+    assert [k for k, _ in settings].index("data") < [k for k, _ in settings].index("data.cache_dir")
+    assert _moved(command)["data.cache_dir"] == "/mnt/store/mine"
+
+
+def _tracking_uri_on_head(command: str, **head_env: str) -> str:
+    """The tracking.uri the head's shell hands the job, as Ray runs an entrypoint (`sh -c`)."""
+    words = command.replace("python -m raytrain_lm.cli train", "printf '%s\\n'")
+    env = {"PATH": os.environ["PATH"], "HOME": "/home/ray", **head_env}
+    printed = subprocess.run(["sh", "-c", words], capture_output=True, text=True, env=env)
+    return next(w for w in printed.stdout.splitlines() if w.startswith("tracking.uri="))
+
+
+def test_a_job_naming_no_store_logs_to_the_clusters_server_else_to_sqlite_on_the_head():
+    command, _ = entrypoint("experiments/demo.yaml", ["name=x"], ROOT, "$HOME/raytrain-lm")
+    served = _tracking_uri_on_head(command, MLFLOW_TRACKING_URI="http://10.0.1.23:5000")
+    assert served == "tracking.uri=http://10.0.1.23:5000"
+    alone = _tracking_uri_on_head(command)
+    assert alone == "tracking.uri=sqlite:////home/ray/raytrain-lm/mlflow.db"
 
 
 @pytest.mark.parametrize(

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import requests
 from conftest import TINY
 from support.jobs import (
     ALIVE_CPU_NODES,
@@ -44,14 +45,18 @@ from support.jobs import (
     wait_for_status,
 )
 
-from raytrain_lm import audit
+from raytrain_lm import audit, checkpoint_models
 from raytrain_lm.data.ledger import read_ledger
+from raytrain_lm.results import mlflow_run
 from raytrain_lm.run_events.journal import read_events
 from raytrain_lm.rundir import RunDir
+from raytrain_lm.runtime import free_port
+from raytrain_lm.tracking.server import read_env_file
 from raytrain_lm.trainer.chaos import stop_pacing
 from raytrain_lm.trainer.driver.stopping import STOP_ACKNOWLEDGED
 
 pytestmark = [pytest.mark.cluster, pytest.mark.own_ray]
+SEARCH = "/api/2.0/mlflow/experiments/search?max_results=1"
 
 RUN = [
     *TINY,
@@ -81,17 +86,40 @@ def local_cluster(request):
     directory = tempfile.mkdtemp(prefix="rtlm-", dir="/tmp")
     failures_before = request.session.testsfailed
     tag = {TEST_CLUSTER_ENV: uuid.uuid4().hex}  # inherited by every process of the cluster
-    up = cli("cluster", "up", "--dir", directory, timeout=180, **tag)
+    # As shipped, with the team's MLflow server beside the head: its records in a home of the
+    # test's own, on a free port.
+    home = tempfile.mkdtemp(prefix="rtlm-tracking-")
+    server = ("--tracking-home", home, "--tracking-port", str(free_port()))
+    up = cli("cluster", "up", "--dir", directory, *server, timeout=420, **tag)
     try:
         assert up.returncode == 0, up.stderr[-2000:]
         state = json.loads((Path(directory) / "cluster.json").read_text())
+        assert f"tracking: {state['tracking']['url']} (logins on" in up.stdout
         yield state
     finally:
-        down = cli("cluster", "down", "--dir", directory, timeout=120)
+        down = cli("cluster", "down", "--dir", directory, timeout=180)
         assert down.returncode == 0, down.stderr[-2000:]
         assert processes_of(directory, tag) == [], "left running after `cluster down`"
+        # The server stopped its database before anything was killed: a clean shutdown.
+        assert not (Path(home) / "postgres" / "postmaster.pid").exists()
         if request.session.testsfailed == failures_before:  # else keep the logs to look at
             shutil.rmtree(directory, ignore_errors=True)
+            shutil.rmtree(home, ignore_errors=True)
+
+
+def test_the_tracking_server_refuses_clients_without_its_login(local_cluster):
+    url = local_cluster["tracking"]["url"]
+    anonymous = requests.get(f"{url}{SEARCH}", timeout=60)
+    assert anonymous.status_code == 401
+    wrong = requests.get(f"{url}{SEARCH}", auth=("admin", "not-the-password"), timeout=60)
+    assert wrong.status_code == 401
+    right = requests.get(f"{url}{SEARCH}", auth=_admin(local_cluster), timeout=60)
+    assert right.status_code == 200
+
+
+def _admin(local_cluster) -> tuple[str, str]:
+    login = read_env_file(Path(local_cluster["tracking"]["login"]))
+    return login["MLFLOW_TRACKING_USERNAME"], login["MLFLOW_TRACKING_PASSWORD"]
 
 
 def test_clients_without_the_token_are_refused(local_cluster):
@@ -112,7 +140,9 @@ def test_clients_without_the_token_are_refused(local_cluster):
     assert right.returncode == 2 and "authentication" not in right.stderr
 
 
-def test_run_asking_for_a100_scales_up_lands_there_and_scales_down(local_cluster, storage):
+def test_run_asking_for_a100_scales_up_lands_there_and_scales_down(
+    local_cluster, storage, monkeypatch
+):
     url = local_cluster["dashboard"]
     assert state(url, ALIVE_WORKER_TYPES) == []  # only the head: no fake GPU node yet
     job = "a100-run"
@@ -155,12 +185,31 @@ def test_run_asking_for_a100_scales_up_lands_there_and_scales_down(local_cluster
     submitted = [r for r in audit.read(storage, run=job) if r["job_id"] == job][0]
     assert submitted["user"] == getpass.getuser() and len(submitted["git_commit"]) == 40
     assert "submit" in submitted["command"] and submitted["config_digest"]
+    # The job logged to the cluster's server, as its admin, without a setting.
+    server = local_cluster["tracking"]
+    assert mlflow_run(job, storage / "runs") == (server["url"], summary["mlflow_run_id"])
+    username, password = _admin(local_cluster)
+    login = {"MLFLOW_TRACKING_USERNAME": username, "MLFLOW_TRACKING_PASSWORD": password}
+    for key, value in login.items():
+        monkeypatch.setenv(key, value)
     from mlflow.tracking import MlflowClient
 
-    store = MlflowClient(f"sqlite:///{storage}/mlflow.db")
+    store = MlflowClient(server["url"])
     tags = store.get_run(summary["mlflow_run_id"]).data.tags
     ours = {key: value for key, value in tags.items() if key.startswith(audit.TAG_PREFIX)}
     assert ours == audit.mlflow_tags(submitted)  # the second job found the run finished
+    # Its checkpoints are its models; the best is promoted and sampled through its alias, as a
+    # user does with the admin's login from `cluster up`.
+    assert sorted(checkpoint_models(job, storage / "runs").index) == [10, 20]
+    promoted = cli("promote", job, "--best", "val_loss", "--name", "a100-lm",
+                   "--output-dir", str(storage / "runs"), **login)  # fmt: skip
+    assert promoted.returncode == 0, promoted.stderr[-2000:]
+    assert "a100-lm version 1 is step " in promoted.stdout
+    sampled = cli("generate", "--run", "models:/a100-lm@champion", "--prompt", "def ",
+                  "--tokens", "4", MLFLOW_TRACKING_URI=server["url"], **login)  # fmt: skip
+    assert sampled.returncode == 0 and sampled.stdout.startswith("def "), sampled.stderr[-2000:]
+    listed = cli("audit", "--storage", str(storage), "--run", job, "--since", "1h")
+    assert f" promote run={job} " in listed.stdout.splitlines()[-1], listed.stdout
 
     # idle_timeout_minutes is 0.25 in cluster/local.yaml; allow for the autoscaler's lag
     deadline = time.time() + 170  # a kept request would hold the node for 180 s

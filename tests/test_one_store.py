@@ -1,7 +1,8 @@
 """One place for results: a job submitted to a cluster running on this machine (`raytrain-lm
-cluster up`'s) writes the runs, prepared data and MLflow store of the submitting working
-directory, the ones `raytrain-lm train` and the notebooks there use, so that one `mlflow ui`
-shows them all and a fresh clone never resumes another clone's run. A cluster elsewhere keeps
+cluster up`'s) writes the runs and prepared data of the submitting working directory, the
+ones `raytrain-lm train` and the notebooks there use, so that a fresh clone never resumes
+another clone's run; it logs to the cluster's MLflow server, or, on a cluster without one
+(`cluster up --no-tracking`), to the working directory's `mlflow.db`. A cluster elsewhere keeps
 what docs/clusters.md says: a folder on its head.
 
 The notebooks' side is tests/test_notebooks.py (they write to the checkout's `../runs`,
@@ -34,7 +35,8 @@ def test_a_job_on_a_cluster_running_here_writes_into_the_working_dir(ray_session
     moved = _settings(entrypoint("experiments/demo.yaml", ["name=x"], ROOT, storage)[0])
     assert moved["output_dir"] == f"{storage}/runs"
     assert moved["data.cache_dir"] == f"{storage}/data"
-    assert moved["tracking.uri"] == f"sqlite:///{storage}/mlflow.db"
+    # The cluster's server where its head says so (`cluster up`'s does), else the checkout's.
+    assert moved["tracking.uri"] == f"${{MLFLOW_TRACKING_URI:-sqlite:///{storage}/mlflow.db}}"
 
 
 def test_a_job_on_a_cluster_elsewhere_keeps_the_heads_folder(tmp_path):

@@ -4,48 +4,33 @@ asked of the server itself, over HTTP, with the logins the CLI handed out."""
 
 from __future__ import annotations
 
-import re
-import select
+import json
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import requests
+from conftest import shared_run_overrides
 from support.jobs import cli, env
+from support.team_server import TeamServer
 
-from raytrain_lm.runtime import free_port
+from raytrain_lm import checkpoint_models
 from raytrain_lm.tracking.server import read_env_file
 
-READY_LINE = re.compile(r"tracking server at (http://\S+)")
 SEARCH = "/api/2.0/mlflow/experiments/search?max_results=1"
 
 
 @pytest.fixture(scope="module")
 def team_server(tmp_path_factory):
-    """`raytrain-lm tracking serve` in a home of its own; its URL once it says it is ready."""
-    home = tmp_path_factory.mktemp("tracking-home")
-    command = [sys.executable, "-m", "raytrain_lm.cli", "tracking", "serve", "--home", str(home)]
-    server = subprocess.Popen(
-        [*command, "--port", str(free_port()), "--workers", "1"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env(),
-    )
-    said, url = [], None
-    while url is None and server.poll() is None:
-        # Its own wait for /health is bounded (READY_WAIT_S); this only reads what it says.
-        if select.select([server.stdout], [], [], 5)[0]:
-            said.append(server.stdout.readline())
-            found = READY_LINE.search(said[-1])
-            url = found.group(1) if found else None
-    assert url is not None, "".join(said)
-    yield {"url": url, "home": home, "said": said}
-    server.terminate()
-    assert server.wait(timeout=120) == 0
-    assert not (home / "postgres" / "postmaster.pid").exists()  # its database stopped with it
+    """`raytrain-lm tracking serve` in a home of its own, once it says it is ready."""
+    server = TeamServer(tmp_path_factory.mktemp("tracking-home"))
+    server.start()
+    yield server
+    if server.process is not None:
+        server.stop()  # its database stopped with it
 
 
 def logins(home: Path, name: str) -> dict[str, str]:
@@ -53,14 +38,14 @@ def logins(home: Path, name: str) -> dict[str, str]:
 
 
 def test_the_admin_login_is_generated_kept_private_and_strangers_are_refused(team_server):
-    url, home = team_server["url"], team_server["home"]
+    url, home = team_server.url, team_server.home
     admin = logins(home, "admin")
     password = admin["MLFLOW_TRACKING_PASSWORD"]
     assert admin["MLFLOW_TRACKING_USERNAME"] == "admin" and len(password) >= 24
     for secret in ("admin.env", "flask_secret", "basic_auth.ini"):
         assert stat.S_IMODE((home / secret).stat().st_mode) == 0o600, secret
     assert password not in (home / "server.log").read_text()
-    assert password not in "".join(team_server["said"])
+    assert password not in "".join(team_server.said)
     assert requests.get(url + SEARCH, timeout=20).status_code == 401  # anonymous
     assert requests.get(url + SEARCH, auth=("admin", "wrong"), timeout=20).status_code == 401
     assert requests.get(url + SEARCH, auth=("admin", password), timeout=20).status_code == 200
@@ -72,7 +57,7 @@ def team(team_server, tmp_path_factory):
     logins come from `raytrain-lm tracking user`, as the admin hands them out."""
     from mlflow.tracking import MlflowClient
 
-    url, home = team_server["url"], team_server["home"]
+    url, home = team_server.url, team_server.home
     credentials = tmp_path_factory.mktemp("credentials")
     admin = logins(home, "admin")
     for user, rights in (("alice", "MANAGE"), ("bob", "READ")):
@@ -99,7 +84,7 @@ def test_read_rights_cannot_log_to_or_delete_anothers_experiment(team_server, te
 
     for key, value in team["bob"].items():
         monkeypatch.setenv(key, value)
-    store = MlflowClient(tracking_uri=team_server["url"])
+    store = MlflowClient(tracking_uri=team_server.url)
     assert store.get_experiment(team["experiment_id"]).name == "team-a"  # reading is allowed
     assert store.get_run(team["run_id"]).info.run_name == "alices"
     for refused in (
@@ -114,7 +99,7 @@ def test_read_rights_cannot_log_to_or_delete_anothers_experiment(team_server, te
     monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", "alice")
     monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", team["alice"]["MLFLOW_TRACKING_PASSWORD"])
     assert (
-        MlflowClient(tracking_uri=team_server["url"]).get_run(team["run_id"]).info.lifecycle_stage
+        MlflowClient(tracking_uri=team_server.url).get_run(team["run_id"]).info.lifecycle_stage
         == "active"
     )
 
@@ -126,7 +111,7 @@ def test_a_run_without_rights_fails_at_start_in_one_line_leaving_nothing(
     """`raytrain-lm train` logging to alice's experiment with bob's login (read rights), or
     with none: exit 2, one line naming the experiment or the login, before Ray or any worker
     starts, and no run directory."""
-    url = team_server["url"]
+    url = team_server.url
     overrides = [
         *(o for o in tiny_overrides if not o.startswith(("tracking.", "output_dir="))),
         f"tracking.uri={url}",
@@ -170,7 +155,7 @@ def test_a_later_grant_lets_bob_log_and_a_stale_admin_login_is_refused(
     from raytrain_lm.tracking.access import check_can_log
     from raytrain_lm.tracking.server import _check_admin_login
 
-    url, admin = team_server["url"], logins(team_server["home"], "admin")
+    url, admin = team_server.url, logins(team_server.home, "admin")
     done = cli(
         "tracking", "user", "bob", "--experiment", "team-a", "--permission", "EDIT",
         "--uri", url, "--credentials-dir", str(tmp_path), **admin,
@@ -185,7 +170,7 @@ def test_a_later_grant_lets_bob_log_and_a_stale_admin_login_is_refused(
     stale.write_text("MLFLOW_TRACKING_USERNAME=admin\nMLFLOW_TRACKING_PASSWORD=made-again-later\n")
     with pytest.raises(UserError, match="is not this server's admin"):
         _check_admin_login(url, stale)
-    _check_admin_login(url, team_server["home"] / "admin.env")
+    _check_admin_login(url, team_server.home / "admin.env")
 
 
 def test_a_login_file_is_never_replaced(tmp_path):
@@ -200,3 +185,94 @@ def test_a_login_file_is_never_replaced(tmp_path):
         f"raytrain-lm: error: {path} exists: a login is never replaced (remove it first)"
     ]
     assert path.read_text() == first
+
+
+def _complete_checkpoints(run_dir: Path) -> int:
+    from raytrain_lm.checkpoints import is_complete
+
+    return sum(is_complete(str(path)) for path in run_dir.glob("checkpoint_*"))
+
+
+def _wait(condition, what: str, process: subprocess.Popen, said: Path, timeout_s=300) -> None:
+    """Until `condition()` holds; the run ending first, or a generous bound, fails the test."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert process.poll() is None, f"the run ended before {what}: {said.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, f"no {what} within {timeout_s} s"
+        time.sleep(1)
+
+
+@pytest.mark.own_ray
+def test_a_run_outlives_the_servers_outage_and_loses_nothing(team_server, shared_dirs, tmp_path):
+    """Runs last in this module. `raytrain-lm train` logs to the server as the admin; the
+    server (MLflow and its PostgreSQL) stops mid-run; the run checkpoints meanwhile; the server
+    starts again on the same home and address; the run completes, and every step's loss, every
+    evaluation and every checkpoint's model is on the server."""
+    from mlflow.tracking import MlflowClient
+
+    from raytrain_lm.trainer.chaos import stop_pacing
+
+    runs = tmp_path / "runs"
+    overrides = [
+        *(o for o in shared_run_overrides(runs, shared_dirs) if not o.startswith("tracking.")),
+        f"tracking.uri={team_server.url}",
+        "name=outage",
+        "scaling.num_workers=1",
+        "training.max_steps=200",
+        "training.eval_every=20",
+        "checkpoint.every_steps=20",
+        "checkpoint.keep_last=2",
+    ]
+    admin = team_server.login()
+    # Paced so that the outage and the restart fall inside the run however slow the machine;
+    # released (stop_pacing) once the server is back.
+    variables = env(**admin, RAYTRAIN_LM_FAULT="slow-steps:seconds=1")
+    said = tmp_path / "train.log"  # a file: a pipe nobody reads meanwhile would fill and block
+    with said.open("w") as out:
+        run = subprocess.Popen(
+            [sys.executable, "-m", "raytrain_lm.cli", "train", *(f"--set={o}" for o in overrides)],
+            stdout=out, stderr=subprocess.STDOUT, text=True, env=variables,
+        )  # fmt: skip
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            for key, value in admin.items():
+                patch.setenv(key, value)
+            store = MlflowClient(tracking_uri=team_server.url)
+
+            def logging_steps() -> bool:
+                found = store.search_runs(
+                    [e.experiment_id for e in store.search_experiments()],
+                    "attributes.run_name = 'outage'",
+                )
+                return bool(found) and bool(
+                    store.get_metric_history(found[0].info.run_id, "train/loss")
+                )
+
+            _wait(logging_steps, "a logged step", run, said)
+            team_server.stop()
+            before = _complete_checkpoints(runs / "outage")
+            _wait(lambda: _complete_checkpoints(runs / "outage") > before,
+                  "a checkpoint during the outage", run, said)  # fmt: skip
+            team_server.start()
+            assert run.poll() is None, "the run ended before the server was back: pace it slower"
+            stop_pacing(runs / "outage")
+            run.wait(timeout=600)
+            output = said.read_text()
+            assert run.returncode == 0, output[-3000:]
+            summary = json.loads(
+                next(line for line in output.splitlines() if line.startswith("summary: "))[9:]
+            )
+            run_id = summary["mlflow_run_id"]
+            assert store.get_run(run_id).info.status == "FINISHED"
+            steps = {m.step for m in store.get_metric_history(run_id, "train/loss")}
+            assert steps == set(range(1, 201))
+            evaluated = sorted(m.step for m in store.get_metric_history(run_id, "val/loss"))
+            assert evaluated == list(range(20, 201, 20))
+            models = checkpoint_models("outage", runs)
+            assert sorted(models.index) == list(range(20, 201, 20))  # pruned ones too
+            assert models["kept"].sum() == 2
+    finally:
+        if run.poll() is None:
+            run.kill()
+        if team_server.process is None:
+            team_server.start()

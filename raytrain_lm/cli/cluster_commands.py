@@ -57,11 +57,21 @@ def _cluster_up_or_down(args) -> int:
     # The local cluster's jobs keep their runs in this working directory (jobs.default_storage)
     audit.write(".", audit.new_record(f"cluster {args.cluster_command}", cluster=args.dir))
     if args.cluster_command == "up":
-        state = autoscaling.up(args.config, args.dir)
+        tracking = None
+        if not args.no_tracking:
+            tracking = autoscaling.TrackingSetup(args.tracking_home, args.tracking_port)
+        state = autoscaling.up(args.config, args.dir, tracking=tracking)
         print(f"local cluster up: Ray at {state['address']}, jobs at {state['dashboard']}")
-        print(f"  submit: raytrain-lm submit experiments/demo.yaml --address {state['dashboard']}")
-        print(f"  status: RAY_AUTH_MODE=token ray status --address {state['address']}")
-        print(f"  stop:   raytrain-lm cluster down --dir {args.dir}")
+        server = state["tracking"]
+        if server:
+            print(f"  tracking: {server['url']} (logins on; jobs log there as the admin)")
+            print(f"  log in:   set -a; . {server['login']}; set +a; "
+                  f"export MLFLOW_TRACKING_URI={server['url']}")  # fmt: skip
+        print(
+            f"  submit:   raytrain-lm submit experiments/demo.yaml --address {state['dashboard']}"
+        )
+        print(f"  status:   RAY_AUTH_MODE=token ray status --address {state['address']}")
+        print(f"  stop:     raytrain-lm cluster down --dir {args.dir}")
         return 0
     ended = autoscaling.down(args.dir)
     print(f"local cluster down: ended {ended} processes")
@@ -75,7 +85,10 @@ def _submit(jobs, args) -> int:
     job, where = submitted["job_id"], submitted["address"]
     print(f"submitted job {job} to {where}")
     print(f"  entrypoint: {submitted['entrypoint']}")
-    print(f"  storage:     {submitted['storage']} (relative runs, data and mlflow.db)")
+    print(
+        f"  storage:     {submitted['storage']} (relative runs and data; mlflow.db if the "
+        "cluster runs no tracking server)"
+    )
     print(f"  follow logs: raytrain-lm logs {job} --follow --address {where}")
     print(f"  state:       raytrain-lm status {job} --address {where}")
     print(f"  stop:        raytrain-lm stop {job} --address {where}")

@@ -252,6 +252,18 @@ def _add_cluster_commands(commands) -> None:
     )
     cup = cluster_commands.add_parser("up", help="start it: head now, fake GPU nodes on demand")
     cup.add_argument("--config", default="cluster/local.yaml")
+    cup.add_argument(
+        "--tracking-home",
+        default="~/raytrain-lm/tracking",
+        help="the MLflow server's records, kept from one `up` to the next (default "
+        "~/raytrain-lm/tracking, as `tracking serve`'s)",
+    )
+    cup.add_argument("--tracking-port", type=_POSITIVE_INT, default=5000)
+    cup.add_argument(
+        "--no-tracking",
+        action="store_true",
+        help="no MLflow server: jobs log to sqlite files (or their config's tracking.uri)",
+    )
     cdown = cluster_commands.add_parser("down", help="stop it and its nodes")
     for p in (cup, cdown):
         p.add_argument("--dir", default="/tmp/raytrain-lm-cluster", help="Ray's temp dir for it")

@@ -7,7 +7,8 @@ missing), and `ray stop` stops every Ray on the machine. So `up` runs
 `RAY_FAKE_CLUSTER=1 ray start --head --autoscaling-config=...` with its own temp dir and free
 ports, and `down` ends exactly the processes that belong to that temp dir (`_pids`: by their
 command line or their environment). The autoscaler starts fake nodes through
-`fake_nodes.FakeNodeProvider`, each with a temp dir under the cluster's own.
+`fake_nodes.FakeNodeProvider`, each with a temp dir under the cluster's own. Beside the head
+runs the team's MLflow server (tracking_server.py), as on the cloud configs.
 """
 
 from __future__ import annotations
@@ -21,11 +22,13 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from raytrain_lm.clusters import tracking_server
 from raytrain_lm.errors import UserError
 from raytrain_lm.placement import CPU_NODE, CPU_NODES_ENV
 from raytrain_lm.runtime import free_port
@@ -49,6 +52,15 @@ CLUSTER_ENV = "RAYTRAIN_LM_CLUSTER_DIR"
 def _ray_executable() -> str:
     beside = Path(sys.executable).with_name("ray")
     return str(beside) if beside.exists() else (shutil.which("ray") or "ray")
+
+
+@dataclass(frozen=True)
+class TrackingSetup:
+    """Where the local cluster's MLflow server keeps its records, and its port: both the same
+    from one `cluster up` to the next, since every run records the address it logged to."""
+
+    home: str = tracking_server.DEFAULT_HOME
+    port: int = tracking_server.DEFAULT_PORT
 
 
 def read_state(directory: str | Path = DEFAULT_DIR) -> dict[str, Any] | None:
@@ -97,8 +109,10 @@ def up(
     directory: str | Path = DEFAULT_DIR,
     dashboard: bool = True,
     timeout_s: float = 120.0,
+    tracking: TrackingSetup | None = TrackingSetup(),
 ) -> dict[str, Any]:
-    """Starts the head of a local autoscaling cluster; returns its state (address, dashboard)."""
+    """Starts the head of a local autoscaling cluster and, unless `tracking` is None, the
+    team's MLflow server beside it; returns its state (address, dashboard, tracking)."""
     directory = Path(directory).resolve()
     if len(str(directory)) > MAX_DIR_CHARS:
         raise UserError(
@@ -116,12 +130,45 @@ def up(
     port, dash_port = free_port(), free_port()
     address = f"{host}:{port}"
     tree = resolved_config(config, address, directory)
-    head_cpus = tree["available_node_types"][tree["head_node_type"]]["resources"].get("CPU", 1)
     autoscaling = directory / "autoscaling.yaml"
     autoscaling.write_text(yaml.safe_dump(tree, sort_keys=False))
     ensure_token()
+    # Under --no-tracking, nothing of a shell that logged in to a server earlier: jobs then log
+    # to sqlite files, not to a server that is gone.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_TRACKING_")}
+    env[CLUSTER_ENV] = str(directory)
+    server = None
+    if tracking is not None:
+        server = tracking_server.start(
+            tracking.home, host, tracking.port, directory / "tracking.log", env
+        )
+    try:
+        env.update(tracking_server.ray_env(server) if server else {})
+        _start_head(tree, directory, host, port, dash_port, dashboard, autoscaling, env)
+        state = {
+            "address": address,
+            "dashboard": f"http://{host}:{dash_port}" if dashboard else None,
+            "dir": str(directory),
+            "config": str(Path(config).resolve()),
+            "started": time.time(),
+            "tracking": server,
+        }
+        (directory / STATE_FILE).write_text(json.dumps(state, indent=2))
+        _wait_for_gcs(host, port, timeout_s)
+    except BaseException:  # Ctrl-C included: nothing of this cluster stays up
+        if server:
+            tracking_server.stop(server["pid"])
+        _kill(directory)
+        (directory / STATE_FILE).unlink(missing_ok=True)
+        raise
+    return state
+
+
+def _start_head(tree, directory, host, port, dash_port, dashboard, autoscaling, env) -> None:
+    """`ray start --head` with the cluster's env; its failure is a UserError naming its log."""
+    head_cpus = tree["available_node_types"][tree["head_node_type"]]["resources"].get("CPU", 1)
     env = {
-        **os.environ,
+        **env,
         "RAY_FAKE_CLUSTER": "1",
         "AUTOSCALER_UPDATE_INTERVAL_S": "1",
         "RAY_AUTH_MODE": "token",
@@ -129,7 +176,6 @@ def up(
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
         # This cluster's own API server, never one inherited from another Ray on the machine.
         "RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{dash_port}",
-        CLUSTER_ENV: str(directory),
     }
     if offers_cpu_nodes(tree):
         env[CPU_NODES_ENV] = "1"  # job drivers run on the head and inherit it
@@ -156,18 +202,7 @@ def up(
         done = subprocess.run(command, env=env, stdout=out, stderr=subprocess.STDOUT, check=False)
     if done.returncode != 0:
         tail = log.read_text().strip().splitlines()[-1:] or ["no output"]
-        _kill(directory)
         raise UserError(f"ray start failed ({tail[0]}); full log: {log}")
-    state = {
-        "address": address,
-        "dashboard": f"http://{host}:{dash_port}" if dashboard else None,
-        "dir": str(directory),
-        "config": str(Path(config).resolve()),
-        "started": time.time(),
-    }
-    (directory / STATE_FILE).write_text(json.dumps(state, indent=2))
-    _wait_for_gcs(host, port, timeout_s)
-    return state
 
 
 def _wait_for_gcs(host: str, port: int, timeout_s: float) -> None:
@@ -245,9 +280,15 @@ def _kill(directory: Path, grace_s: float = 10.0) -> int:
 def down(directory: str | Path = DEFAULT_DIR) -> int:
     """Stops the cluster started from `directory`; returns how many processes it ended."""
     directory = Path(directory).resolve()
-    if read_state(directory) is None and not _pids(directory):
+    state = read_state(directory)
+    if state is None and not _pids(directory):
         raise UserError(f"no local cluster runs from {directory}")
     ended = 0
+    server = (state or {}).get("tracking")
+    if server and server["pid"] in _pids(directory):  # never a process that took its pid since
+        # First and alone: it stops its database, which a SIGKILL below would leave to recover.
+        tracking_server.stop(server["pid"])
+        ended += 1
     # Fake nodes are started by the autoscaler after `up`: repeat until none is left.
     for _ in range(3):
         killed = _kill(directory)

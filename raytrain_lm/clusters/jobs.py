@@ -23,7 +23,7 @@ from urllib.parse import urlparse
 from raytrain_lm import audit
 from raytrain_lm.clusters import job_audit
 from raytrain_lm.clusters.autoscaling import read_state
-from raytrain_lm.config import to_yaml
+from raytrain_lm.config import DEFAULT_TRACKING_DB, TRACKING_URI_ENV, to_yaml
 from raytrain_lm.errors import UserError
 from raytrain_lm.trainer.chaos import ENV_VAR as FAULT_ENV_VAR
 from raytrain_lm.trainer.driver.stopping import STOP_ACKNOWLEDGED
@@ -181,13 +181,13 @@ def entrypoint(
     the job's throwaway copy of the working dir, so they move under `storage`: a folder on the
     head, or a bucket (`s3://BUCKET/PREFIX`, `gs://BUCKET/PREFIX`) that every node reaches, so
     that `output_dir=runs` becomes `{storage}/runs` and `data.cache_dir=data` `{storage}/data`.
-    A sqlite tracking database cannot live in a bucket: with bucket storage a relative sqlite
-    file goes under DEFAULT_STORAGE on the head instead (an MLflow server is the alternative)."""
+    A config naming no tracking store logs to the cluster's server ($MLFLOW_TRACKING_URI on
+    the head), else to a sqlite file under `storage`. A sqlite file cannot live in a bucket:
+    with bucket storage it goes under DEFAULT_STORAGE on the head instead."""
     from raytrain_lm.config import load_config
 
     cfg = load_config(config, overrides)
     storage = check_storage(storage)
-    database_storage = DEFAULT_STORAGE if is_bucket_storage(storage) else storage
     args = ["python", "-m", "raytrain_lm.cli", "train"]
     if config is not None:
         path = Path(config).resolve()
@@ -198,24 +198,43 @@ def entrypoint(
                 f"{config} is outside the working dir {working_dir}: the job only sees the "
                 f"uploaded directory"
             ) from None
-    moved = []
-    if not os.path.isabs(cfg.output_dir) and "://" not in cfg.output_dir:
-        moved.append(f"output_dir={storage}/{cfg.output_dir}")
-    if not os.path.isabs(cfg.data.cache_dir) and "://" not in cfg.data.cache_dir:
-        moved.append(f"data.cache_dir={storage}/{cfg.data.cache_dir}")
-    if cfg.tracking.enabled:
-        uri = cfg.tracking.uri or "sqlite:///mlflow.db"
-        database = uri.removeprefix("sqlite:///")
-        if uri.startswith("sqlite:///") and not database.startswith(("/", ":memory:")):
-            moved.append(f"tracking.uri=sqlite:///{database_storage}/{database.removeprefix('./')}")
+    moved = _moved_outputs(cfg, storage)
+    moved_keys = {item.partition("=")[0] for item in moved}
+    for item in overrides:
+        # A relative path the user set is moved below (where it wins over a section's value,
+        # `data={cache_dir: ...}`, given here).
+        if item.partition("=")[0].strip() not in moved_keys:
+            args += ["--set", shlex.quote(item)]
     for item in moved:
         args += ["--set", _storage_arg(item)]
     if cfg.scaling.ray_address is None:
         # The driver joins the cluster the job runs on instead of starting a Ray of its own.
         args += ["--set", "scaling.ray_address=auto"]
-    for item in overrides:
-        args += ["--set", shlex.quote(item)]
     return " ".join(args), cfg
+
+
+def _moved_outputs(cfg, storage: str) -> list[str]:
+    """`KEY=VALUE` settings that move the config's relative outputs under `storage`."""
+    moved = []
+    if not os.path.isabs(cfg.output_dir) and "://" not in cfg.output_dir:
+        moved.append(f"output_dir={storage}/{cfg.output_dir}")
+    if not os.path.isabs(cfg.data.cache_dir) and "://" not in cfg.data.cache_dir:
+        moved.append(f"data.cache_dir={storage}/{cfg.data.cache_dir}")
+    if not cfg.tracking.enabled:
+        return moved
+    uri = cfg.tracking.uri or f"sqlite:///{DEFAULT_TRACKING_DB}"
+    database = uri.removeprefix("sqlite:///")
+    if uri.startswith("sqlite:///") and not database.startswith(("/", ":memory:")):
+        database_storage = DEFAULT_STORAGE if is_bucket_storage(storage) else storage
+        on_head = f"sqlite:///{database_storage}/{database.removeprefix('./')}"
+        # A config that names no store logs where the cluster's nodes say (the server its head
+        # runs: cluster configs and `cluster up` set the variable for Ray), expanded by the
+        # head's shell; a sqlite file under the storage only where none is set.
+        moved.append(
+            f"tracking.uri=${{{TRACKING_URI_ENV}:-{on_head}}}" if cfg.tracking.uri is None
+            else f"tracking.uri={on_head}"
+        )  # fmt: skip
+    return moved
 
 
 AGENT_WAIT_S = 120

@@ -20,6 +20,7 @@ The server runs in the foreground until SIGTERM or Ctrl-C, then stops the databa
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import signal
@@ -40,6 +41,7 @@ PERMISSIONS = ("NO_PERMISSIONS", "READ", "USE", "EDIT", "MANAGE")
 ARTIFACTS_ENV = "RAYTRAIN_LM_TRACKING_ARTIFACTS"
 # A PostgreSQL of the cloud's (RDS, Cloud SQL) instead of the embedded one; holds its password.
 DATABASE_ENV = "RAYTRAIN_LM_TRACKING_DATABASE_URI"
+LOGIN_KEYS = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")
 
 
 @dataclass(frozen=True)
@@ -87,7 +89,12 @@ def write_secret(path: Path, text: str, *, replace: bool = True) -> None:
 
 
 def read_env_file(path: Path) -> dict[str, str]:
-    """`KEY=VALUE` lines, as `admin.env` and `raytrain-lm tracking user` write them."""
+    """`KEY=VALUE` lines, as `admin.env` and `raytrain-lm tracking user` write them; or a
+    folder with a file per key, as Kubernetes mounts a Secret made from such a file."""
+    if path.is_dir():
+        # Kubernetes keeps the real files in `..data/` and links each key beside it.
+        keys = (item for item in path.iterdir() if not item.name.startswith("."))
+        return {item.name: item.read_text().strip() for item in keys if item.is_file()}
     values = {}
     for line in path.read_text().splitlines():
         key, sep, value = line.partition("=")
@@ -110,11 +117,24 @@ def new_admin_login(path: Path, artifacts: str | None = None) -> None:
     write_secret(path, "\n".join(lines) + "\n", replace=False)
 
 
+def read_login(path: Path) -> dict[str, str]:
+    """A login file's (or Secret folder's) values; one without a user name and password is a
+    UserError naming what it lacks."""
+    values = read_env_file(path)
+    missing = [key for key in LOGIN_KEYS if not values.get(key)]
+    if missing:
+        raise UserError(
+            f"login {path} lacks {' and '.join(missing)} (as `raytrain-lm tracking login` "
+            "writes it; a Kubernetes Secret made from it with --from-env-file)"
+        )
+    return values
+
+
 def _admin_password(login: Path) -> str:
     """The admin's password: from `login`, written there first if it does not exist."""
     if not login.exists():
         new_admin_login(login)
-    return read_env_file(login)["MLFLOW_TRACKING_PASSWORD"]
+    return read_login(login)["MLFLOW_TRACKING_PASSWORD"]
 
 
 def _flask_secret(home: ServerHome) -> str:
@@ -135,6 +155,10 @@ def _embedded_database(home: ServerHome):
     """An embedded PostgreSQL in `home`, with the two databases; its URIs use its socket."""
     import pgserver
 
+    if home.pgdata.is_dir():
+        # PostgreSQL refuses a data folder others may read; a volume mounted with a group
+        # (Kubernetes' fsGroup) is widened at every mount.
+        home.pgdata.chmod(0o700)
     server = pgserver.get_server(home.pgdata, cleanup_mode="stop")
     existing = {
         line.strip() for line in server.psql("SELECT datname FROM pg_database;").splitlines()
@@ -183,6 +207,9 @@ def _database_uris(home: ServerHome):
 def _check_port_free(host: str, port: int) -> None:
     """A server still on the port (one being restarted) would answer our readiness check."""
     with socket.socket() as probe:
+        # As the server binds: connections of a server that just stopped, still in TIME_WAIT,
+        # do not hold the port; a server listening on it still does.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind((host, port))
         except OSError as exc:
@@ -194,7 +221,7 @@ def _check_admin_login(url: str, login: Path) -> None:
     later (lost and made again, or another cluster's) would lock every run out."""
     import requests
 
-    values = read_env_file(login)
+    values = read_login(login)
     auth = (values["MLFLOW_TRACKING_USERNAME"], values["MLFLOW_TRACKING_PASSWORD"])
     answer = requests.get(f"{url}/api/2.0/mlflow/users/current", auth=auth, timeout=20)
     if answer.status_code == 401:
@@ -222,33 +249,34 @@ def serve(
     home = ServerHome(Path(home).expanduser().resolve())
     home.root.mkdir(parents=True, exist_ok=True)
     _check_port_free(host, port)
-    database, runs_uri, logins_uri = _database_uris(home)
-    _write_auth_config(home, logins_uri, default_permission)
-    login = Path(admin_login).expanduser() if admin_login else home.admin_env
-    password = _admin_password(login)
-    destination = artifacts or read_env_file(login).get(ARTIFACTS_ENV) or str(home.artifacts)
-    env = {
-        **os.environ,
-        "MLFLOW_AUTH_CONFIG_PATH": str(home.auth_config),
-        "MLFLOW_AUTH_ADMIN_PASSWORD": password,
-        "MLFLOW_FLASK_SERVER_SECRET_KEY": _flask_secret(home),
-        "MLFLOW_BACKEND_STORE_URI": runs_uri,  # not a command-line argument: it may hold a password
-    }
-    command = [
-        sys.executable, "-m", "mlflow", "server", "--app-name", "basic-auth",
-        "--artifacts-destination", destination,
-        "--host", host, "--port", str(port), "--workers", str(workers),
-    ]  # fmt: skip
-    with open(home.log, "a") as log:
-        server = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+    running: dict[str, subprocess.Popen] = {}
     asked_to_stop = []
 
     def stop(*_) -> None:
         asked_to_stop.append(True)
-        server.terminate()
+        if "mlflow" in running:
+            running["mlflow"].terminate()
 
+    # From before the database starts: a stop while starting still stops what has started.
     signal.signal(signal.SIGTERM, stop)
+    database = None
     try:
+        database, runs_uri, logins_uri = _database_uris(home)
+        _write_auth_config(home, logins_uri, default_permission)
+        login = Path(admin_login).expanduser() if admin_login else home.admin_env
+        env = _server_env(home, runs_uri, _admin_password(login))
+        destination = artifacts or read_env_file(login).get(ARTIFACTS_ENV) or str(home.artifacts)
+        command = [
+            sys.executable, "-m", "mlflow", "server", "--app-name", "basic-auth",
+            "--artifacts-destination", destination,
+            "--host", host, "--port", str(port), "--workers", str(workers),
+        ]  # fmt: skip
+        with open(home.log, "a") as log:
+            running["mlflow"] = server = subprocess.Popen(
+                command, env=env, stdout=log, stderr=subprocess.STDOUT
+            )
+        if asked_to_stop:  # while the database started: MLflow ends at once, then it
+            server.terminate()
         url = f"http://{host}:{port}"
         wait_ready(url, server, home.log)
         _check_admin_login(url, login)
@@ -258,17 +286,39 @@ def serve(
         return 0 if asked_to_stop else code
     except KeyboardInterrupt:
         stop()
-        server.wait()
         return 0
     except UserError:
         if asked_to_stop:  # stopped while starting: not a failure
             return 0
         raise
     finally:
-        if server.poll() is None:
-            server.kill()
-        if database is not None:
-            database.cleanup()
+        _shut_down(running.get("mlflow"), database)
+
+
+def _shut_down(mlflow: subprocess.Popen | None, database) -> None:
+    """MLflow first (asked already, killed if it lingers), then the database it used."""
+    if mlflow is not None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            mlflow.wait(timeout=30)
+        if mlflow.poll() is None:
+            mlflow.kill()
+    if database is not None:
+        database.cleanup()
+
+
+def _server_env(home: ServerHome, runs_uri: str, password: str) -> dict[str, str]:
+    return {
+        **os.environ,
+        "MLFLOW_AUTH_CONFIG_PATH": str(home.auth_config),
+        "MLFLOW_AUTH_ADMIN_PASSWORD": password,
+        "MLFLOW_FLASK_SERVER_SECRET_KEY": _flask_secret(home),
+        "MLFLOW_BACKEND_STORE_URI": runs_uri,  # not a command-line argument: it may hold a password
+        # MLflow's server-side job runner serves none of our uses, and its worker processes
+        # cost a small head more CPU than the server itself.
+        "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": os.environ.get(
+            "MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false"
+        ),
+    }
 
 
 def wait_ready(url: str, server: subprocess.Popen, log: Path) -> None:
