@@ -161,7 +161,15 @@ class MLflowTracker(BufferedSender):
         """Blocks until every metric logged so far is stored, or until one attempt to store
         them failed (the store is down): they then stay buffered, spooled to disk, and are
         retried in the background."""
-        self._attempt_and_wait(self._flush_wait_s)
+        deadline = time.monotonic() + self._flush_wait_s
+        while True:
+            self._attempt_and_wait(max(0.1, deadline - time.monotonic()))
+            with self._lock:
+                # An attempt already under way when something was queued (a checkpoint's
+                # model, right before a worker ends) did not take it: one more does.
+                settled = not self._unsent() or self._down_since is not None
+            if settled or time.monotonic() >= deadline:
+                return
 
     def finish(self, status: str | None = "FINISHED", wait_s: float = 120.0) -> None:
         """Sends everything (waiting up to `wait_s` for a store that is down), then ends the
