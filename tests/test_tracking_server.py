@@ -248,11 +248,12 @@ def test_a_run_outlives_the_servers_outage_and_loses_nothing(team_server, shared
                     store.get_metric_history(found[0].info.run_id, "train/loss")
                 )
 
-            _wait(logging_steps, "a logged step", run, said)
+            # Ray's start and the data's preparation come first: minutes on a loaded machine.
+            _wait(logging_steps, "a logged step", run, said, timeout_s=900)
             team_server.stop()
             before = _complete_checkpoints(runs / "outage")
             _wait(lambda: _complete_checkpoints(runs / "outage") > before,
-                  "a checkpoint during the outage", run, said)  # fmt: skip
+                  "a checkpoint during the outage", run, said, timeout_s=600)  # fmt: skip
             team_server.start()
             assert run.poll() is None, "the run ended before the server was back: pace it slower"
             stop_pacing(runs / "outage")
