@@ -18,12 +18,11 @@ from typing import Any
 
 from raytrain_lm.config import TRACKING_URI_ENV
 from raytrain_lm.errors import UserError
-from raytrain_lm.tracking.server import READY_WAIT_S, ServerHome, read_login
+from raytrain_lm.tracking.server import READY_SAYS, READY_WAIT_S, ServerHome, read_login
 
 # This machine's one store, the same home `raytrain-lm tracking serve` uses by default.
 DEFAULT_HOME = "~/raytrain-lm/tracking"
 DEFAULT_PORT = 5000
-READY_LINE = "tracking server at "
 # Beyond the server's own bounded wait for /health: the CLI's imports on a loaded machine.
 START_MARGIN_S = 60.0
 STOP_WAIT_S = 60.0
@@ -48,7 +47,7 @@ def start(home: str | Path, host: str, port: int, log: Path, env: dict[str, str]
             start_new_session=True,
         )
     deadline = time.monotonic() + READY_WAIT_S + START_MARGIN_S
-    while READY_LINE not in log.read_text():
+    while READY_SAYS not in log.read_text():
         if server.poll() is not None:
             said = log.read_text().strip().splitlines()[-1:] or ["no output"]
             reason = said[0].removeprefix("raytrain-lm: error: ")

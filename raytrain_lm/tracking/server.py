@@ -42,6 +42,8 @@ ARTIFACTS_ENV = "RAYTRAIN_LM_TRACKING_ARTIFACTS"
 # A PostgreSQL of the cloud's (RDS, Cloud SQL) instead of the embedded one; holds its password.
 DATABASE_ENV = "RAYTRAIN_LM_TRACKING_DATABASE_URI"
 LOGIN_KEYS = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")
+# What the server says once it answers, which those who start it wait for.
+READY_SAYS = "tracking server at"
 
 
 @dataclass(frozen=True)
@@ -280,7 +282,7 @@ def serve(
         url = f"http://{host}:{port}"
         wait_ready(url, server, home.log)
         _check_admin_login(url, login)
-        print(f"[raytrain-lm] tracking server at {url} (logins on; the admin's in {login}; "
+        print(f"[raytrain-lm] {READY_SAYS} {url} (logins on; the admin's in {login}; "
               f"artifacts in {destination}; log {home.log})", flush=True)  # fmt: skip
         code = server.wait()
         return 0 if asked_to_stop else code

@@ -10,10 +10,10 @@ import sys
 from pathlib import Path
 
 from raytrain_lm.runtime import free_port
-from raytrain_lm.tracking.server import read_env_file
+from raytrain_lm.tracking.server import READY_SAYS, read_env_file
 from support.jobs import env
 
-READY_LINE = re.compile(r"tracking server at (http://\S+)")
+READY_LINE = re.compile(rf"{READY_SAYS} (http://\S+)")
 
 
 class TeamServer:
