@@ -25,6 +25,7 @@ from raytrain_lm.trainer.components.balance import (
     type_weights,
 )
 from raytrain_lm.trainer.components.batch_plan import BatchPlan, split_by_weight
+from raytrain_lm.trainer.progress import ProgressBar
 
 
 def test_shares_follow_the_weights_in_whole_sequences():
@@ -114,6 +115,16 @@ def test_mfu_is_against_the_device_that_trains():
     # A mixed GPU group, seen from an A100 rank: the L4's peak is its type's, unknown types err low.
     gpu = torch.device("cuda")
     assert devices.training_peaks(["L4", "TPU-V9"], gpu, "A100") == [121e12, 312e12]
+
+
+@pytest.mark.no_ray
+def test_the_progress_line_shows_a_cpus_mfu(capfd):
+    """A CPU's MFU is under 0.1 %: at one decimal the line said "MFU 0.0%" (and the suite's
+    per-token check of the A100 job, on a loaded machine, found nothing to compare)."""
+    bar = ProgressBar(total=20, start=0, every=10)
+    for mfu, shown in [(0.000712, "MFU 0.0712%"), (0.41234, "MFU 41.2%"), (1.0, "MFU 100%")]:
+        bar.update(20, {"train/loss": 4.0, "perf/tokens_per_s": 500.0, "perf/mfu": mfu})
+        assert f" 20/20 | loss 4.0000 | 0.5k tok/s | {shown} | " in capfd.readouterr().out
 
 
 def test_balance_settings_are_checked_up_front():

@@ -111,10 +111,6 @@ DILOCO = ["scaling.fault_tolerance=replicas", "parallel.sync=diloco"]
         (["budget.deadline=soon"], "a duration is a number with d, h or m"),
         (["budget.deadline=0"], "a deadline is a positive duration"),
         (
-            ["scaling.fault_tolerance=replicas", "budget.max_usd=9", "fault.price_per_hour={a: 1}"],
-            "replica groups cannot keep to it yet",
-        ),
-        (
             [*DILOCO, "diloco.sync_every=6", "diloco.fragments=4"],
             "make sync_every (6) a multiple of fragments",
         ),

@@ -17,12 +17,19 @@ from raytrain_lm.data.ledger import read_ledger
 from raytrain_lm.run_events.journal import read_events
 
 
-def test_two_groups_take_ddps_steps_and_resume_from_their_checkpoint(world_size_runs, s3):
-    """Two replica groups (one worker each, a quorum every step), their run in a bucket, stop
-    at step 6 and resume from their checkpoint there: every step's loss equals the 2-worker
-    DDP run's within 1e-5 (fp32; the gradients are reduced by torchft, not DDP), the ledger
-    holds every position once, each step is logged once by one writer, and the checkpoints
-    are those of a DDP run."""
+def test_two_groups_take_ddps_steps_spend_their_budget_and_resume_exactly(
+    world_size_runs, s3, monkeypatch
+):
+    """Two replica groups (one worker each, a quorum every step), their run in a bucket, at
+    $3,600/h each with a $10 budget and paced at 0.5 s a step: the chief keeps the spend and
+    stops both groups at one step with a checkpoint (`stopped: "budget"`, the stop event says
+    why); the same budget is then refused before any group starts, and a larger one resumes
+    from that checkpoint: every step's loss equals the 2-worker DDP run's within 1e-5 (fp32;
+    the gradients are reduced by torchft, not DDP), the ledger holds every position once, each
+    step is logged once by one writer, and the checkpoints are those of a DDP run."""
+    from raytrain_lm.errors import UserError
+    from raytrain_lm.trainer import chaos
+
     common, reference = world_size_runs["common"], world_size_runs["reference"]
     steps = reference["steps"]
     bucket = s3.new_bucket()
@@ -32,29 +39,43 @@ def test_two_groups_take_ddps_steps_and_resume_from_their_checkpoint(world_size_
         "name=replicas",
         "scaling.fault_tolerance=replicas",
         "scaling.num_workers=2",
-        "fault.price_per_hour.cpu=3.6",
+        "fault.price_per_hour.cpu=3600",
+        "fault.preemption_check_s=0.2",
     ]
-    stopped = raytrain_lm.train(
-        load_config(None, [*overrides, "training.stop_after_step=6"]), sample=False
+    monkeypatch.setenv(chaos.ENV_VAR, "slow-steps:seconds=0.5")
+    stopped = raytrain_lm.train(load_config(None, [*overrides, "budget.max_usd=10"]), sample=False)
+    spent_at = stopped["steps"]
+    assert stopped["stopped"] == "budget" and 1 <= spent_at < steps, stopped
+    assert stopped["goodput"]["cost_total"] >= 10
+    monkeypatch.delenv(chaos.ENV_VAR)
+    with pytest.raises(UserError, match=r"has spent \$[0-9.,]+ of budget.max_usd=\$10.00: raise"):
+        raytrain_lm.train(load_config(None, [*overrides, "budget.max_usd=10"]), sample=False)
+    summary = raytrain_lm.train(
+        load_config(None, [*overrides, "budget.max_usd=1000"]), sample=False
     )
-    assert stopped["steps"] == 6, stopped
-    summary = raytrain_lm.train(load_config(None, overrides), sample=False)
     assert summary["steps"] == steps and not summary["stopped"]
 
     run_dir = f"{bucket}/runs/replicas"
     assert read_ledger(run_dir).tolist() == list(range(steps * 12))
-    starts = [e for e in read_events(run_dir) if e["event"] == "replica_start"]
-    assert sorted((e["step"], e["group"]) for e in starts) == [(0, 0), (0, 1), (6, 0), (6, 1)]
+    events = read_events(run_dir)
+    (stop,) = [e for e in events if e["event"] == "stop"]
+    assert stop["why"] == "budget" and stop["step"] == spent_at
+    starts = [e for e in events if e["event"] == "replica_start"]
+    assert sorted((e["step"], e["group"]) for e in starts) == [
+        (0, 0), (0, 1), (spent_at, 0), (spent_at, 1)
+    ]  # fmt: skip
     checkpointed = sorted(read_state(c).step for c in complete_checkpoints(run_dir))
-    assert checkpointed[-1] == steps and all(s % 3 == 0 for s in checkpointed), checkpointed
+    assert checkpointed[-1] == steps, checkpointed
+    assert all(s % 3 == 0 or s == spent_at for s in checkpointed), checkpointed
     assert summary["goodput"]["steps_recomputed"] == 0  # stopped at a checkpoint
+    assert summary["goodput"]["cost_total"] > stopped["goodput"]["cost_total"]
     # Both groups' type and price reach the chief in every step's sum (roster.py).
     assert summary["per_type"]["cpu"]["workers"] == 2, summary["per_type"]
     assert summary["per_type"]["cpu"]["usd_per_mtok"] > 0
-    priced = [e for e in read_events(run_dir) if e["event"] == "replica_price"]
+    priced = [e for e in events if e["event"] == "replica_price"]
     by_segment = {e["segment"]: (e["price_per_hour"], e["types"]) for e in priced}
-    assert list(by_segment.values()) == [(7.2, ["cpu", "cpu"])] * 2  # each run's latest
-    assert {e["price_per_hour"] for e in priced} <= {3.6, 7.2}  # one group, until both
+    assert list(by_segment.values()) == [(7200, ["cpu", "cpu"])] * 2  # each run's latest
+    assert {e["price_per_hour"] for e in priced} <= {3600, 7200}  # one group, until both
 
     uri = next(o.split("=", 1)[1] for o in common if o.startswith("tracking.uri="))
     assert_same_step_losses(uri, summary["mlflow_run_id"], reference["mlflow_run_id"], steps)

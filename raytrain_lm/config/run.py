@@ -203,11 +203,6 @@ class RunConfig(_Section):
                 "checkpoint.every_steps=auto agrees the interval across one worker group; "
                 "with scaling.fault_tolerance=replicas give a number of steps"
             )
-        if self.budget.max_usd is not None:
-            raise ValueError(
-                "budget.max_usd stops one worker group; replica groups cannot keep to it yet: "
-                "use scaling.fault_tolerance=restart, or plan the cost (raytrain-lm plan)"
-            )
         if self.scaling.capacity == "spot_first":
             raise ValueError(
                 "scaling.capacity=spot_first moves one worker group between spot and "

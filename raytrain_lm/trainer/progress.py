@@ -33,7 +33,8 @@ class ProgressBar:
             parts.append(f"val {metrics['val/loss']:.4f}")
         parts += [
             f"{metrics['perf/tokens_per_s'] / 1e3:.1f}k tok/s",
-            f"MFU {100 * metrics['perf/mfu']:.1f}%",
+            # Three significant digits: a CPU's MFU (under 0.1 %) read "0.0%" at one decimal.
+            f"MFU {100 * metrics['perf/mfu']:.3g}%",
         ]
         if "cost/spent" in metrics:  # with budget.* set
             parts.append(f"${metrics['cost/spent']:,.2f} of ~${metrics['cost/projected']:,.2f}")

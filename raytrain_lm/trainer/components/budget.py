@@ -7,6 +7,10 @@ group's price. When the projection passes the budget, or the expected finish pas
 deadline, the run says so once; when the spend reaches the budget, the chief raises the stop
 flag, and the group checkpoints at that step boundary and ends (`stop` event, `why: budget`):
 resuming with a larger budget continues from exactly there.
+
+Replica groups keep one segment while groups come and go, and their chief may change: the
+chief's account (`RunningSpend`) starts from what the events price when it becomes chief and
+adds what the groups taking part cost from then on.
 """
 
 from __future__ import annotations
@@ -33,6 +37,26 @@ def refuse_if_spent(budget: BudgetConfig, run: str, run_dir: RunDir) -> None:
             f"run '{run}' has spent ${spent:,.2f} of budget.max_usd=${limit:,.2f}: raise it "
             "(--set budget.max_usd=...) to resume"
         )
+
+
+class RunningSpend:
+    """The run's spend as the replica groups' chief keeps it, step by step: what the events
+    price when it took over (every earlier segment, and this one up to then at the prices its
+    chiefs recorded), then the price of the groups taking part."""
+
+    def __init__(self, run_dir: RunDir, step: int, now: float):
+        self.usd = summarize(read_events(run_dir), now).cost
+        self.t, self.step = now, step
+
+    def continues(self, step: int) -> bool:
+        """Whether this chief kept the account at this step or the one before (a step is
+        taken again after a failed quorum): else another chief kept it meanwhile."""
+        return step - self.step in (0, 1)
+
+    def add(self, step: int, now: float, usd_per_hour: float) -> float:
+        self.usd += max(0.0, now - self.t) * usd_per_hour / 3600
+        self.t, self.step = now, step
+        return self.usd
 
 
 class BudgetGuard:

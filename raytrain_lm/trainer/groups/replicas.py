@@ -42,11 +42,12 @@ from raytrain_lm.trainer.checkpointing.chief_uploads import ChiefUploads
 from raytrain_lm.trainer.checkpointing.resume import restore_newest
 from raytrain_lm.trainer.components import stop_requests
 from raytrain_lm.trainer.components.batch_plan import BatchPlan
-from raytrain_lm.trainer.components.cadence import Every, Flags
+from raytrain_lm.trainer.components.cadence import Flags
 from raytrain_lm.trainer.components.parts import LoopParts
 from raytrain_lm.trainer.components.state import Settled
 from raytrain_lm.trainer.components.trainee import Trainee, where_in_group
 from raytrain_lm.trainer.groups.chief import ChiefProgress, ChiefTracker
+from raytrain_lm.trainer.groups.chief_stops import ChiefStops
 from raytrain_lm.trainer.groups.feed import open_stream
 from raytrain_lm.trainer.groups.healing import Healing, committed_since
 from raytrain_lm.trainer.groups.membership import Membership
@@ -114,7 +115,7 @@ class ReplicaGroup:
         cfg = parts.cfg
         market, types = self.ray.node_market(), parts.trainee.where.types
         self.my_price = devices.price_per_hour(cfg.fault.price_per_hour, types[0], market) or 0.0
-        self.stop_checks = Every(seconds=cfg.fault.preemption_check_s)
+        self.stops = ChiefStops(cfg, parts.run_dir, types[0], self.my_price)
         self.step = ReplicaStep(self, parts)
         self.uploads = ChiefUploads(self.spec.reports)
         # What a step looks like with every group there (evaluation's batch, the first log).
@@ -232,8 +233,7 @@ class ReplicaGroup:
 
     def stop_due(self) -> bool:
         parts = self.parts
-        due = self.stop_checks.due(parts.progress.step, parts.end_step)
-        return due and stop_requests.stop_requested(parts.run_dir)
+        return self.stops.due(parts.progress.step, parts.end_step, self.price_per_hour())
 
     # ------------------------------------------------------------------------------ ending
 
@@ -250,7 +250,7 @@ class ReplicaGroup:
         step = parts.progress.step
         if flags.stop:
             if self.is_chief:
-                parts.journal.keep(stop_requests.STOP, step=step)
+                parts.journal.keep(stop_requests.STOP, step=step, why=self.stops.reason)
             announce(f"stop: checkpoint at step {step}, then the run ends", self.is_chief)
             return True
         deadline_ms = self.ray.draining_deadline_ms(self.ray.node_id())

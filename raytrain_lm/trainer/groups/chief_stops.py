@@ -1,0 +1,52 @@
+"""Why the replica groups' chief raises the stop flag, which every group sees in the step
+(replica_step.py) and ends on with a checkpoint: a stop request, or `budget.max_usd` spent. The
+run's spend is kept by whichever group is chief (budget.RunningSpend), so a lost chief's
+successor goes on counting it."""
+
+from __future__ import annotations
+
+import time
+
+from raytrain_lm.config import RunConfig
+from raytrain_lm.errors import UserError
+from raytrain_lm.rundir import RunDir
+from raytrain_lm.trainer.components import stop_requests
+from raytrain_lm.trainer.components.budget import RunningSpend
+from raytrain_lm.trainer.components.cadence import Every
+from raytrain_lm.trainer.progress import announce
+
+
+class ChiefStops:
+    def __init__(self, cfg: RunConfig, run_dir: RunDir, accelerator: str, usd_per_hour: float):
+        self.limit = cfg.budget.max_usd
+        if self.limit is not None and not usd_per_hour:  # it would cost nothing: refuse
+            raise UserError(
+                f"budget.max_usd: fault.price_per_hour gives no price for this replica group's "
+                f"type ({accelerator}); add it, or a `default`"
+            )
+        self.run_dir = run_dir
+        self.checks = Every(seconds=cfg.fault.preemption_check_s)
+        self.spend: RunningSpend | None = None
+        self.reason = "request"  # or "budget": what the stop event says (stop_requests.stop_why)
+
+    def due(self, step: int, end_step: int, usd_per_hour: float) -> bool:
+        """The chief's, at every step it takes: whether to raise the stop flag now (the
+        checks run on the preemption check's clock; the spend is added up at every step)."""
+        spent = self._spent(step, time.time(), usd_per_hour)
+        if not self.checks.due(step, end_step):
+            return False
+        if stop_requests.stop_requested(self.run_dir):
+            self.reason = "request"
+            return True
+        if spent is None or spent < self.limit:
+            return False
+        self.reason = "budget"
+        announce(f"budget: ${spent:,.2f} spent, budget.max_usd reached")
+        return True
+
+    def _spent(self, step: int, now: float, usd_per_hour: float) -> float | None:
+        if self.limit is None:
+            return None
+        if self.spend is None or not self.spend.continues(step):
+            self.spend = RunningSpend(self.run_dir, step, now)  # reads the events: at takeover
+        return self.spend.add(step, now, usd_per_hour)
