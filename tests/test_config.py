@@ -104,8 +104,8 @@ DILOCO = ["scaling.fault_tolerance=replicas", "parallel.sync=diloco"]
         ),
         (["checkpoint.every_steps=often"], "a number of steps (at least 1) or auto"),
         (
-            ["scaling.fault_tolerance=replicas", "checkpoint.every_steps=auto"],
-            "with scaling.fault_tolerance=replicas give a number of steps",
+            [*DILOCO, "checkpoint.every_steps=auto"],
+            "with parallel.sync=diloco give a number of steps",
         ),
         (["budget.max_usd=100"], "budget.max_usd counts fault.price_per_hour: set it"),
         (["budget.deadline=soon"], "a duration is a number with d, h or m"),

@@ -26,7 +26,8 @@ def test_two_groups_take_ddps_steps_spend_their_budget_and_resume_exactly(
     why); the same budget is then refused before any group starts, and a larger one resumes
     from that checkpoint: every step's loss equals the 2-worker DDP run's within 1e-5 (fp32;
     the gradients are reduced by torchft, not DDP), the ledger holds every position once, each
-    step is logged once by one writer, and the checkpoints are those of a DDP run."""
+    step is logged once by one writer, and the checkpoints are those of a DDP run. The
+    checkpoint interval is `auto`: the chief chooses it, and it travels to the other group."""
     from raytrain_lm.errors import UserError
     from raytrain_lm.trainer import chaos
 
@@ -41,6 +42,7 @@ def test_two_groups_take_ddps_steps_spend_their_budget_and_resume_exactly(
         "scaling.num_workers=2",
         "fault.price_per_hour.cpu=3600",
         "fault.preemption_check_s=0.2",
+        "checkpoint.every_steps=auto",  # the first at step 3 (a quarter of the run), as 3 was
     ]
     monkeypatch.setenv(chaos.ENV_VAR, "slow-steps:seconds=0.5")
     stopped = raytrain_lm.train(load_config(None, [*overrides, "budget.max_usd=10"]), sample=False)
@@ -64,6 +66,10 @@ def test_two_groups_take_ddps_steps_spend_their_budget_and_resume_exactly(
     assert sorted((e["step"], e["group"]) for e in starts) == [
         (0, 0), (0, 1), (spent_at, 0), (spent_at, 1)
     ]  # fmt: skip
+    # The chief chose the interval after a checkpoint, and every group read at its steps:
+    # the checkpoints are the chosen ones, the budget's and the last.
+    (chosen, *_) = [e for e in events if e["event"] == "checkpoint_interval"]
+    assert chosen["step"] % 3 == 0 and chosen["steps"] >= 1, chosen
     checkpointed = sorted(read_state(c).step for c in complete_checkpoints(run_dir))
     assert checkpointed[-1] == steps, checkpointed
     assert all(s % 3 == 0 or s == spent_at for s in checkpointed), checkpointed

@@ -119,3 +119,44 @@ def test_goodput_prices_a_replica_segment_by_the_groups_taking_part():
     g = summarize(events)
     assert g.cost == pytest.approx(4.0 * 0.5 + 2.0 * 0.25 + 4.0 * 0.25)
     assert summarize([start, end]).cost == pytest.approx(1.0)  # restart mode: as before
+
+
+def test_the_chiefs_checkpoint_interval_rides_in_a_step_and_every_participant_takes_it(tmp_path):
+    """checkpoint.every_steps=auto: the chief's choice after its checkpoint at step 30 goes in
+    the next step's sums; every participant (and the chief) puts it in use as that step
+    commits, counted from step 30, and the chief stops sending it. Two proposals in one sum
+    (two groups each thinking itself chief) are not taken."""
+    from raytrain_lm.trainer.components.cadence import Every
+    from raytrain_lm.trainer.groups.interval import IntervalAgreement
+
+    chief, other = IntervalAgreement(tmp_path), IntervalAgreement(tmp_path)
+    cadences = [Every(steps=10, at_end=True), Every(steps=10, at_end=True)]
+    chief.propose(25, 30)
+    summed = np.sum([chief.sums(), other.sums()], axis=0).tolist()
+    for agreement, cadence in zip((chief, other), cadences, strict=True):
+        agreement.settle(summed, cadence)
+    assert [(c.steps, c.since) for c in cadences] == [(25, 30), (25, 30)]
+    assert [c.due(55, 100) for c in cadences] == [True, True]
+    assert chief.sums() == [0.0, 0.0, 0.0]  # taken: not sent again
+    chief.propose(40, 55)
+    other.propose(50, 55)
+    both = np.sum([chief.sums(), other.sums()], axis=0).tolist()
+    chief.settle(both, cadences[0])
+    assert (cadences[0].steps, cadences[0].since) == (25, 30)
+
+
+def test_a_chiefs_running_spend_starts_from_the_events_and_a_successor_reads_them_again(tmp_path):
+    """budget.max_usd with replica groups: a chief's account is the events' price of the run
+    when it took over, then the groups' price step by step; one that was not chief at the step
+    before reads the events again (another chief counted meanwhile)."""
+    from raytrain_lm.run_events.journal import append_event
+    from raytrain_lm.rundir import RunDir
+    from raytrain_lm.trainer.components.budget import RunningSpend
+
+    run_dir = RunDir.coerce(tmp_path)
+    append_event(run_dir, "segment_start", segment="s", t_start=1000.0, t_restored=1000.0,
+                 restored_step=0, world_size=1, price_per_hour=3600.0, t=1000.0)  # fmt: skip
+    spend = RunningSpend(run_dir, step=0, now=1010.0)
+    assert spend.usd == pytest.approx(10.0)  # 10 s at $3,600/h
+    assert spend.add(1, 1015.0, 7200.0) == pytest.approx(20.0)  # 5 s at $7,200/h
+    assert spend.continues(1) and spend.continues(2) and not spend.continues(4)

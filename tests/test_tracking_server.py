@@ -210,6 +210,7 @@ def test_a_run_outlives_the_servers_outage_and_loses_nothing(team_server, shared
     evaluation and every checkpoint's model is on the server."""
     from mlflow.tracking import MlflowClient
 
+    from raytrain_lm.run_events.journal import Heartbeat
     from raytrain_lm.trainer.chaos import stop_pacing
 
     runs = tmp_path / "runs"
@@ -239,10 +240,14 @@ def test_a_run_outlives_the_servers_outage_and_loses_nothing(team_server, shared
                 patch.setenv(key, value)
             store = MlflowClient(tracking_uri=team_server.url)
 
-            # Its first progress line, read from its output: asking the server every second
-            # took a fifth of a core from a run already starved on a loaded machine. Ray's start
-            # and the data's preparation come first: minutes on a loaded machine.
-            _wait(lambda: " | loss " in said.read_text(), "a step", run, said, timeout_s=900)
+            # Its chief's heartbeat past step 1, a file: asking the server every second took a
+            # fifth of a core from a run already starved on a loaded machine. Ray's start and
+            # the data's preparation come first: minutes on a loaded machine.
+            def stepping() -> bool:
+                beat = Heartbeat.read(runs / "outage")
+                return beat is not None and beat.step >= 1
+
+            _wait(stepping, "a step", run, said, timeout_s=900)
             team_server.stop()
             before = _complete_checkpoints(runs / "outage")
             _wait(lambda: _complete_checkpoints(runs / "outage") > before,

@@ -43,6 +43,9 @@ def _quiet_logs() -> None:
 
 
 def main() -> None:
+    # Line by line into a file or a pipe too (`> train.log`, `| tee`, a Ray job's log that
+    # `ray job logs --follow` reads): block-buffered, the progress lines came at exit.
+    sys.stdout.reconfigure(line_buffering=True)
     _quiet_logs()
     try:
         code = run(sys.argv[1:])

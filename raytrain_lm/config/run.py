@@ -198,11 +198,6 @@ class RunConfig(_Section):
     def _replicas_fit(self) -> None:
         """Replica groups split each step over whoever takes part (any count from min_workers
         to max_workers, evenly or not), each holding the whole model."""
-        if self.checkpoint.every_steps == "auto":
-            raise ValueError(
-                "checkpoint.every_steps=auto agrees the interval across one worker group; "
-                "with scaling.fault_tolerance=replicas give a number of steps"
-            )
         if self.scaling.capacity == "spot_first":
             raise ValueError(
                 "scaling.capacity=spot_first moves one worker group between spot and "
@@ -228,6 +223,11 @@ class RunConfig(_Section):
 
     def _rounds_fit(self) -> None:
         diloco = self.diloco
+        if self.checkpoint.every_steps == "auto":
+            raise ValueError(
+                "checkpoint.every_steps=auto agrees the interval in a step's sums; with "
+                f"parallel.sync={self.parallel.sync} give a number of steps"
+            )
         if self.parallel.sync == "local_sgd" and (diloco.fragments > 1 or diloco.quantize):
             raise ValueError(
                 "parallel.sync=local_sgd averages the whole model at each round's end: "

@@ -152,7 +152,7 @@ class CheckpointWriter:
         save_s, step_s, rate, recovery = all_reduce(figures, parts.device, "max")
         step = parts.progress.step
         steps = interval_steps(save_s, step_s, rate, recovery, parts.end_step - step)
-        parts.every.checkpoint.steps, parts.every.checkpoint.since = steps, step
+        group.agree_interval(steps, step)
         if group.is_chief:
             parts.journal.event(
                 "checkpoint_interval", step=step, steps=steps, save_s=save_s, step_s=step_s,

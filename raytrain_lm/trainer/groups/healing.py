@@ -44,6 +44,7 @@ class Healing:
             "members": group.members.handover(),
             "segment": journal.segment,  # one worker group's life, for goodput, whoever writes
             "throughput": vars(journal.throughput).copy(),  # the summary's, whoever is chief
+            "checkpoint_every": [parts.every.checkpoint.steps, parts.every.checkpoint.since],
         }
 
     def from_peer(self, state: dict[str, Any]) -> None:
@@ -64,6 +65,8 @@ class Healing:
         group.members.adopt(state["members"])
         parts.journal.segment = state["segment"]
         self.peer_throughput = state["throughput"]
+        cadence = parts.every.checkpoint  # checkpoint.every_steps=auto's interval (interval.py)
+        cadence.steps, cadence.since = state["checkpoint_every"]
         self.healed_at = time.time()
 
     def adopt_throughput(self) -> None:

@@ -24,6 +24,7 @@ from raytrain_lm.trainer.components.batch_plan import BatchPlan
 from raytrain_lm.trainer.components.parts import LoopParts
 from raytrain_lm.trainer.components.state import Settled
 from raytrain_lm.trainer.components.step import StepParts
+from raytrain_lm.trainer.groups import interval
 from raytrain_lm.trainer.groups.roster import (
     SLOTS_PER_PARTICIPANT,
     check_step_taken,
@@ -46,10 +47,16 @@ class StepSums:
     stored: float  # the chief's store holds every step up to this - 1 (chief.py; 0: unknown)
     written: float  # the chief's ledger is written through this step - 1 (0: unknown)
     roster: list[float]  # each participant's type and price, in its slots (roster.py)
+    interval: list[float]  # the chief's new checkpoint interval, if it chose one (interval.py)
 
 
 def step_packer(participants: int) -> Packer[StepSums]:
-    return Packer(StepSums, checksum=3, roster=SLOTS_PER_PARTICIPANT * participants)
+    return Packer(
+        StepSums,
+        checksum=3,
+        roster=SLOTS_PER_PARTICIPANT * participants,
+        interval=interval.SLOTS,
+    )
 
 
 class ReplicaStep:
@@ -103,6 +110,7 @@ class ReplicaStep:
                 self.parts.trainee.where.types[0],
                 group.my_price,
             ),  # fmt: skip
+            interval=group.interval.sums(),
         )
         packer = step_packer(members.participants)
         summed = group.quorum.reduce_step(model, packer.pack(sums, self.parts.device))
@@ -117,6 +125,7 @@ class ReplicaStep:
         group.confirm(summed.stored, summed.written)  # what the chief's writes hold
         members.committed(step + 1, parts.journal)
         group.stop_seen = summed.stop > 0
+        group.interval.settle(summed.interval, parts.every.checkpoint)
         members.note_roster(summed.roster, parts.journal, step + 1)
         positions = np.arange(step * g, (step + 1) * g, dtype=np.int64)
         return Settled(

@@ -50,6 +50,7 @@ from raytrain_lm.trainer.groups.chief import ChiefProgress, ChiefTracker
 from raytrain_lm.trainer.groups.chief_stops import ChiefStops
 from raytrain_lm.trainer.groups.feed import open_stream
 from raytrain_lm.trainer.groups.healing import Healing, committed_since
+from raytrain_lm.trainer.groups.interval import IntervalAgreement
 from raytrain_lm.trainer.groups.membership import Membership
 from raytrain_lm.trainer.groups.quorum import LIGHTHOUSE_ENV, LighthouseLost, Quorum, TooFewReplicas
 from raytrain_lm.trainer.groups.replica_step import ReplicaStep
@@ -73,7 +74,7 @@ class ReplicaGroup:
         self.leaving = False  # a spot notice: this group leaves the others
         self.regular_read = False  # whether the loop's read now is one every group makes
         self.upload_deadline: float | None = None  # a spot notice's (wall clock)
-        self.budget, self.interruptions = None, (0.0, 0.0)  # the chief's, as a group starts
+        self.budget = None  # the first chief's, with budget.* set (its projections)
         self.parts: LoopParts | None = None
         self.started = False  # joined, restored or healed, and recorded its start (start)
 
@@ -116,6 +117,7 @@ class ReplicaGroup:
         market, types = self.ray.node_market(), parts.trainee.where.types
         self.my_price = devices.price_per_hour(cfg.fault.price_per_hour, types[0], market) or 0.0
         self.stops = ChiefStops(cfg, parts.run_dir, types[0], self.my_price)
+        self.interval = IntervalAgreement(parts.run_dir)  # checkpoint.every_steps=auto
         self.step = ReplicaStep(self, parts)
         self.uploads = ChiefUploads(self.spec.reports)
         # What a step looks like with every group there (evaluation's batch, the first log).
@@ -199,9 +201,7 @@ class ReplicaGroup:
             parts.trainee.plan = BatchPlan.derive(cfg.training, participants, [1.0] * participants)
             if self.is_chief:
                 nodes = sorted(self.ray.alive_node_ids())
-                self.budget, self.interruptions = record_start(
-                    parts, nodes, participants, self.my_price
-                )
+                self.budget, _ = record_start(parts, nodes, participants, self.my_price)
             parts.tracker.log_metrics(start_metrics(parts), step=step)
             members.seen = participants
         else:
@@ -232,8 +232,7 @@ class ReplicaGroup:
         return self.step.settle(summed)
 
     def stop_due(self) -> bool:
-        parts = self.parts
-        return self.stops.due(parts.progress.step, parts.end_step, self.price_per_hour())
+        return self.stops.due(self.parts.progress.step, self.parts.end_step, self.price_per_hour())
 
     # ------------------------------------------------------------------------------ ending
 
@@ -363,6 +362,11 @@ class ReplicaGroup:
             # left a file that this one's positions, since the last confirmed step, include.
             ledger.discard_after(self.parts.run_dir, progress.last_report_step)
         return "write", final
+
+    interruptions = property(lambda self: self.interval.interruptions())  # read by each chief
+
+    def agree_interval(self, steps: int, since: int) -> None:
+        self.interval.propose(steps, since)  # in use once a step carried it (interval.py)
 
     def chief_wrote(self) -> tuple[float, float]:
         """What the chief tells the others in a step's or a round's sums (the others send 0):
