@@ -3,6 +3,7 @@ escapes into an exit status (user errors: one line on stderr, status 2, no trace
 
 from __future__ import annotations
 
+import io
 import sys
 
 from raytrain_lm.cli.cluster_commands import CLUSTER_COMMANDS, run_cluster_command
@@ -45,7 +46,8 @@ def _quiet_logs() -> None:
 def main() -> None:
     # Line by line into a file or a pipe too (`> train.log`, `| tee`, a Ray job's log that
     # `ray job logs --follow` reads): block-buffered, the progress lines came at exit.
-    sys.stdout.reconfigure(line_buffering=True)
+    if isinstance(sys.stdout, io.TextIOWrapper):
+        sys.stdout.reconfigure(line_buffering=True)
     _quiet_logs()
     try:
         code = run(sys.argv[1:])

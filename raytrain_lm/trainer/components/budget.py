@@ -16,6 +16,7 @@ adds what the groups taking part cost from then on.
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from raytrain_lm.config import BudgetConfig
@@ -40,23 +41,31 @@ def refuse_if_spent(budget: BudgetConfig, run: str, run_dir: RunDir) -> None:
 
 
 class RunningSpend:
-    """The run's spend as the replica groups' chief keeps it, step by step: what the events
-    price when it took over (every earlier segment, and this one up to then at the prices its
-    chiefs recorded), then the price of the groups taking part."""
+    """The run's spend as the replica groups' chief keeps it, at each of its steps: what the
+    events price when it became chief (every earlier segment, and this one up to then at the
+    prices its chiefs recorded), then the price of the groups taking part.
 
-    def __init__(self, run_dir: RunDir, step: int, now: float):
-        self.usd = summarize(read_events(run_dir), now).cost
-        self.t, self.step = now, step
+    The events are read on a thread of their own: in a bucket they are an object each, and a
+    chief that read them inside a step would hold every group's reduction for as long. Until
+    they are read, `add` counts what comes after and says nothing (None)."""
 
-    def continues(self, step: int) -> bool:
-        """Whether this chief kept the account at this step or the one before (a step is
-        taken again after a failed quorum): else another chief kept it meanwhile."""
-        return step - self.step in (0, 1)
+    def __init__(self, run_dir: RunDir, now: float):
+        self.t, self.since = now, 0.0  # what the groups' price added after the read's `now`
+        self._reading = lambda: summarize(read_events(run_dir), now).cost
+        self.read: Future[float] = _READER.submit(self._reading)
 
-    def add(self, step: int, now: float, usd_per_hour: float) -> float:
-        self.usd += max(0.0, now - self.t) * usd_per_hour / 3600
-        self.t, self.step = now, step
-        return self.usd
+    def add(self, now: float, usd_per_hour: float) -> float | None:
+        self.since += max(0.0, now - self.t) * usd_per_hour / 3600
+        self.t = now
+        if not self.read.done():
+            return None
+        if self.read.exception() is not None:  # the bucket was away: read again, counting on
+            self.read = _READER.submit(self._reading)
+            return None
+        return self.read.result() + self.since
+
+
+_READER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spend-read")
 
 
 class BudgetGuard:

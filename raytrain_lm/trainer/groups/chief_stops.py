@@ -6,6 +6,7 @@ successor goes on counting it."""
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 from raytrain_lm.config import RunConfig
 from raytrain_lm.errors import UserError
@@ -14,6 +15,9 @@ from raytrain_lm.trainer.components import stop_requests
 from raytrain_lm.trainer.components.budget import RunningSpend
 from raytrain_lm.trainer.components.cadence import Every
 from raytrain_lm.trainer.progress import announce
+
+if TYPE_CHECKING:
+    from raytrain_lm.trainer.groups.replicas import ReplicaGroup
 
 
 class ChiefStops:
@@ -29,11 +33,17 @@ class ChiefStops:
         self.spend: RunningSpend | None = None
         self.reason = "request"  # or "budget": what the stop event says (stop_requests.stop_why)
 
-    def due(self, step: int, end_step: int, usd_per_hour: float) -> bool:
-        """The chief's, at every step it takes: whether to raise the stop flag now (the
-        checks run on the preemption check's clock; the spend is added up at every step)."""
-        spent = self._spent(step, time.time(), usd_per_hour)
-        if not self.checks.due(step, end_step):
+    def due(self, group: ReplicaGroup) -> bool:
+        """Every group's, at every step or round it takes: whether the chief raises the stop
+        flag now (the checks run on the preemption check's clock; the chief adds up the
+        spend at every call, and a group that is not chief forgets its account, which
+        another chief keeps meanwhile)."""
+        if not group.is_chief:
+            self.spend = None
+            return False
+        parts, now = group.parts, time.time()
+        spent = self._spent(now, group.price_per_hour())
+        if not self.checks.due(parts.progress.step, parts.end_step):
             return False
         if stop_requests.stop_requested(self.run_dir):
             self.reason = "request"
@@ -44,9 +54,14 @@ class ChiefStops:
         announce(f"budget: ${spent:,.2f} spent, budget.max_usd reached")
         return True
 
-    def _spent(self, step: int, now: float, usd_per_hour: float) -> float | None:
+    def _spent(self, now: float, usd_per_hour: float) -> float | None:
+        """The run's spend, None until this chief has read the events (budget.py)."""
         if self.limit is None:
             return None
-        if self.spend is None or not self.spend.continues(step):
-            self.spend = RunningSpend(self.run_dir, step, now)  # reads the events: at takeover
-        return self.spend.add(step, now, usd_per_hour)
+        if self.spend is None:
+            self.spend = RunningSpend(self.run_dir, now)  # reads the events: as it takes over
+        return self.spend.add(now, usd_per_hour)
+
+    def forget(self) -> None:
+        """A group that healed (it sat out the other chiefs' steps): its account is stale."""
+        self.spend = None

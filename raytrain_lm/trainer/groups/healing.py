@@ -65,6 +65,7 @@ class Healing:
         group.members.adopt(state["members"])
         parts.journal.segment = state["segment"]
         self.peer_throughput = state["throughput"]
+        group.stops.forget()  # budget.max_usd: the spend, kept by the chief meanwhile
         cadence = parts.every.checkpoint  # checkpoint.every_steps=auto's interval (interval.py)
         cadence.steps, cadence.since = state["checkpoint_every"]
         self.healed_at = time.time()

@@ -101,7 +101,7 @@ class ReplicaStep:
         sums = StepSums(
             loss=loss.reshape(1),
             checksum=position_checksum(taken),
-            stop=float(group.is_chief and group.stop_due()),
+            stop=float(group.stop_due()),  # the chief's
             stored=stored,
             written=written,
             roster=roster_slots(

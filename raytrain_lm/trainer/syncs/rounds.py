@@ -242,7 +242,7 @@ class Rounds:
         group, members, parts = self.group, self.group.members, self.parts
         trained_as, healed_before = members.participant, group.healing.healed_at
         # The chief of the unit just trained says whether a stop was requested.
-        stop = not joining and group.is_chief and group.stop_due()
+        stop = not joining and group.stop_due()  # the chief's
         if not joining:
             members.formed(group.quorum.form())
             self.leavers.quorum_stale = False
