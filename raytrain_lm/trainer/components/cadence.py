@@ -48,6 +48,10 @@ class Every:
             return True
         return False
 
+    def count_every(self, steps: int, since: int) -> None:
+        """Due every `steps` from step `since` on (checkpoint.every_steps=auto chose anew)."""
+        self.steps, self.since = steps, since
+
     def count_from(self, step: int) -> None:
         """A cadence that crosses multiples counts from `step` (a group joined there)."""
         self._last_step = step

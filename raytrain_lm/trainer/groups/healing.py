@@ -66,8 +66,8 @@ class Healing:
         parts.journal.segment = state["segment"]
         self.peer_throughput = state["throughput"]
         group.stops.forget()  # budget.max_usd: the spend, kept by the chief meanwhile
-        cadence = parts.every.checkpoint  # checkpoint.every_steps=auto's interval (interval.py)
-        cadence.steps, cadence.since = state["checkpoint_every"]
+        # checkpoint.every_steps=auto's interval in use (interval.py)
+        parts.every.checkpoint.count_every(*state["checkpoint_every"])
         self.healed_at = time.time()
 
     def adopt_throughput(self) -> None:

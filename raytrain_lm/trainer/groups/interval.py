@@ -18,14 +18,14 @@ class IntervalAgreement:
     def __init__(self, run_dir: RunDir):
         self.run_dir = run_dir
         self.proposed: tuple[int, int] | None = None  # (steps, since): sent until committed
-        self._interruptions: tuple[float, float] | None = None
+        # The run's interruptions so far (rate per second, recovery seconds): the first chief
+        # read them as it started (groups/start.py), a successor reads them as it first chooses.
+        self.known_interruptions: tuple[float, float] | None = None
 
     def interruptions(self) -> tuple[float, float]:
-        """The run's interruptions so far (rate per second, recovery seconds), read from its
-        events once by each group that chooses: a chief's successor too."""
-        if self._interruptions is None:
-            self._interruptions = observed_interruptions(self.run_dir)
-        return self._interruptions
+        if self.known_interruptions is None:
+            self.known_interruptions = observed_interruptions(self.run_dir)
+        return self.known_interruptions
 
     def propose(self, steps: int, since: int) -> None:
         self.proposed = (steps, since)
@@ -42,6 +42,6 @@ class IntervalAgreement:
         checkpoint chooses again."""
         proposals, steps, since = (round(value) for value in summed)
         if proposals == 1:
-            cadence.steps, cadence.since = steps, since - 1
+            cadence.count_every(steps, since - 1)
         if proposals:
             self.proposed = None

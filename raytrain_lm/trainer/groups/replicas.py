@@ -201,7 +201,8 @@ class ReplicaGroup:
             parts.trainee.plan = BatchPlan.derive(cfg.training, participants, [1.0] * participants)
             if self.is_chief:
                 nodes = sorted(self.ray.alive_node_ids())
-                self.budget, _ = record_start(parts, nodes, participants, self.my_price)
+                started = record_start(parts, nodes, participants, self.my_price)
+                self.budget, self.interval.known_interruptions = started
             parts.tracker.log_metrics(start_metrics(parts), step=step)
             members.seen = participants
         else:
@@ -210,8 +211,7 @@ class ReplicaGroup:
         self.started = True  # from here on it has committed state to save (running)
 
     def forced_reads(self, step: int) -> set[int]:
-        # Every group reads at the same steps (the cadences'), so that whichever becomes
-        # chief holds exactly the steps the last chief did not log.
+        # Every group reads at the same steps, so the next chief holds what the last did not log.
         return set()
 
     # ------------------------------------------------------------------------------ steps

@@ -237,8 +237,7 @@ class StaticGroup:
 
     def agree_interval(self, steps: int, since: int) -> None:
         """Every rank chose this interval from the same all-reduced figures: in use now."""
-        cadence = self.parts.every.checkpoint
-        cadence.steps, cadence.since = steps, since
+        self.parts.every.checkpoint.count_every(steps, since)
 
     def roster(self) -> tuple[list[str], list[float]]:
         """The accelerator type and hourly price (0: none given) of each share of the plan."""
