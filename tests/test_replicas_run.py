@@ -88,6 +88,50 @@ def test_two_groups_take_ddps_steps_spend_their_budget_and_resume_exactly(
     assert summary["val_loss"] == pytest.approx(reference["val_loss"], abs=1e-4)
 
 
+def test_groups_of_different_speeds_take_shares_by_their_measured_speeds(
+    world_size_runs, monkeypatch
+):
+    """`scaling.balance=auto` with replica groups: group 1's simulated device runs at half the
+    speed of group 0's (chaos.py's device-time). Each group times its own forwards after a
+    warm-up and declares its speed in the step's agreement; once both have, every group takes
+    the shares their speeds give (about 2:1), the chief records the plan, and the steps'
+    losses are still the 2-worker DDP run's within 1e-5 (the update does not depend on the
+    shares), with every position in the ledger once."""
+    from raytrain_lm.trainer import chaos
+
+    common, reference = world_size_runs["common"], world_size_runs["reference"]
+    steps = reference["steps"]
+    overrides = [
+        *common,
+        "name=replicas-balanced",
+        "scaling.fault_tolerance=replicas",
+        "scaling.num_workers=2",
+        "scaling.balance=auto",
+    ]
+    # 20 ms per sequence forward and 40 ms backward on group 0, twice that on group 1: the
+    # host's own few ms per sequence pull the measured ratio below 2:1 (test_balance.py).
+    monkeypatch.setenv(chaos.ENV_VAR, "device-time:seconds=0.02:rank=1:factor=2")
+    summary = raytrain_lm.train(load_config(None, overrides), sample=False)
+    assert summary["steps"] == steps and not summary["stopped"]
+
+    run_dir = world_size_runs["output_dir"] / "replicas-balanced"
+    events = read_events(run_dir)
+    plans = [e for e in events if e["event"] == "batch_plan"]
+    # Both groups measure steps 3-7 (after the warm-up of steps 0-2) and declare at step 8.
+    assert len(plans) == 1 and 8 <= plans[0]["step"] < steps, plans
+    fast, slow = plans[0]["sequences_per_s"]
+    assert 1.4 <= fast / slow <= 2.4, plans
+    shares = plans[0]["shares"]
+    assert sum(shares) == 12 and shares[0] in (7, 8, 9), plans  # about 2:1 of 12
+    assert summary["shares"] == shares
+    assert read_ledger(run_dir).tolist() == list(range(steps * 12))
+
+    uri = next(o.split("=", 1)[1] for o in common if o.startswith("tracking.uri="))
+    assert_same_step_losses(uri, summary["mlflow_run_id"], reference["mlflow_run_id"], steps)
+    history = raytrain_lm.metric_history("replicas-balanced", world_size_runs["output_dir"])
+    assert history["plan/rank0_share"].dropna().to_dict()[plans[0]["step"]] == shares[0]
+
+
 @pytest.mark.beside
 def test_a_sweep_trial_on_replica_groups_reports_every_checkpoint_to_tune(
     ray_session, tiny_overrides, tmp_path

@@ -50,7 +50,7 @@ def test_any_number_of_participants_takes_each_position_once(participants):
     ("overrides", "message"),
     [
         (["parallel.strategy=fsdp"], "use parallel.strategy=ddp"),
-        (["scaling.balance=auto"], "give weights by type"),
+        (["parallel.sync=diloco", "scaling.balance=auto"], "set for a whole round"),
         (["scaling.num_workers=4", "training.global_batch_size=3"], "fewer than one sequence"),
     ],
 )
@@ -159,3 +159,62 @@ def test_a_chiefs_running_spend_starts_from_the_events(tmp_path):
     spend = RunningSpend(run_dir, now=1010.0)
     assert spend.read.result() == pytest.approx(10.0)  # 10 s at $3,600/h, read on its thread
     assert spend.add(1015.0, 7200.0) == pytest.approx(20.0)  # and 5 s at $7,200/h
+
+
+class FakeClock:
+    """A ForwardClock's measurements, given: (seconds, sequences) per take."""
+
+    def __init__(self):
+        self.pending = (0.0, 0)
+        self.taken: list[tuple[float, int]] = []
+
+    def forward(self, seconds: float, sequences: int) -> None:
+        self.pending = (self.pending[0] + seconds, self.pending[1] + sequences)
+
+    def take(self) -> tuple[float, int]:
+        measured, self.pending = self.pending, (0.0, 0)
+        self.taken.append(measured)
+        return measured
+
+
+def test_a_group_declares_its_measured_speed_and_shares_follow_the_declarations():
+    """Each group times its forwards after a warm-up and declares its sequences/s once it has
+    measured MEASURE_STEPS steps, and again only past the tolerance; the participants' sum of
+    declarations gives every participant the same weights, an undeclared group the mean of
+    the declared, and nobody declared equal ones; a share that changes is measured anew."""
+    from raytrain_lm.trainer.components.balance import MEASURE_STEPS
+    from raytrain_lm.trainer.components.pending_values import WARMUP_STEPS
+    from raytrain_lm.trainer.groups.speeds import DeclaredSpeed, agreed_weights
+
+    clock = FakeClock()
+    speed = DeclaredSpeed(clock, tolerance=0.15)
+
+    def step(s: int, share: int, seconds_per_sequence: float) -> None:
+        speed.before_step(s)
+        speed.agreed_share(s, share)
+        clock.forward(seconds_per_sequence * share, share)
+
+    for s in range(WARMUP_STEPS + MEASURE_STEPS):
+        step(s, 6, 0.5 if s < WARMUP_STEPS else 0.05)  # the warm-up compiles: slow
+        assert speed.declared is None, s
+    step(WARMUP_STEPS + MEASURE_STEPS, 6, 0.05)
+    assert speed.declared == pytest.approx(20.0)  # the warm-up's passes left out
+    assert speed.slots(1, 2) == pytest.approx([0.0, 20.0, 0.0, 1.0])
+    first = WARMUP_STEPS + MEASURE_STEPS + 1
+    for s in range(first, first + MEASURE_STEPS):  # within the tolerance: no new declaration
+        step(s, 6, 0.055)
+    assert speed.declared == pytest.approx(20.0)
+    changed_at = first + MEASURE_STEPS
+    step(changed_at, 8, 0.1)  # a new share: measured anew after its own warm-up
+    for s in range(changed_at + 1, changed_at + WARMUP_STEPS + MEASURE_STEPS):
+        step(s, 8, 0.1)
+    assert speed.declared == pytest.approx(20.0)
+    step(changed_at + WARMUP_STEPS + MEASURE_STEPS, 8, 0.1)
+    assert speed.declared == pytest.approx(10.0)  # half speed: past the tolerance
+
+    summed = np.sum([[30.0, 0.0, 0.0, 1.0, 0.0, 0.0], [0.0, 10.0, 0.0, 0.0, 1.0, 0.0]], axis=0)
+    assert agreed_weights(summed.tolist(), 3) == [30.0, 10.0, 20.0]  # the third: the mean
+    assert agreed_weights([0.0] * 4, 2) == [1.0, 1.0]  # nobody measured yet
+    assert agreed_weights([30.0, 10.0, 1.0, 2.0], 2) is None  # not a sum of declarations
+    training = TrainingConfig(global_batch_size=GLOBAL_BATCH)
+    assert BatchPlan.derive(training, 2, [30.0, 10.0]).shares == (9, 3)

@@ -215,11 +215,6 @@ class RunConfig(_Section):
             )
         if self.parallel.in_rounds:
             self._rounds_fit()
-        if self.scaling.balance == "auto":
-            raise ValueError(
-                "scaling.balance=auto measures a fixed group of ranks; with "
-                "scaling.fault_tolerance=replicas give weights by type, e.g. {A100: 3, L4: 1}"
-            )
 
     def _rounds_fit(self) -> None:
         diloco = self.diloco
@@ -244,9 +239,9 @@ class RunConfig(_Section):
                 "diloco.full_sync_every=1 syncs every fragment at once at every round's end, "
                 "which is plain DiLoCo: set it to 2 or more, or diloco.fragments=1"
             )
-        if isinstance(self.scaling.balance, dict):
+        if self.scaling.balance != "none":
             raise ValueError(
-                "scaling.balance splits every step by the groups' types; with "
+                "scaling.balance splits every step by the groups' types or speeds; with "
                 f"parallel.sync={self.parallel.sync} each group's share is set for a whole "
                 "round: use none"
             )

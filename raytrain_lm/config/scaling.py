@@ -54,7 +54,8 @@ class ScalingConfig(_Section):
         0.15,
         gt=0.0,
         description="balance: auto re-plans at a checkpoint when the slowest rank's forward "
-        "time per step exceeds the mean by more than this fraction",
+        "time per step exceeds the mean by more than this fraction (replica groups: a group "
+        "declares a new speed when its measured one moved by more than this fraction)",
     )
     fault_tolerance: Literal["restart", "replicas"] = Field(
         "restart",

@@ -26,7 +26,6 @@ from raytrain_lm.trainer.components.journal import Journal
 from raytrain_lm.trainer.components.metrics import StepMetrics
 from raytrain_lm.trainer.components.parts import LoopParts
 from raytrain_lm.trainer.components.pending_values import PendingSteps
-from raytrain_lm.trainer.components.rebalancing import Rebalancer
 from raytrain_lm.trainer.components.state import RunProgress
 from raytrain_lm.trainer.components.watchdog import StepWatchdog
 
@@ -118,9 +117,7 @@ class Worker:
             self.prepare()
         self.bar = group.progress_bar()
         self.forced_reads = group.forced_reads(parts.progress.step)
-        self.rebalancer = (
-            Rebalancer(parts, group, self.forced_reads) if parts.trainee.clock else None
-        )
+        self.rebalancer = group.rebalancer(self.forced_reads)  # scaling.balance=auto's
         parts.watchdog.start()
         parts.progress.pending.restart_clock()
         self.host_syncs.reset()  # restoring and starting read values: not steps

@@ -2,13 +2,13 @@
 
 Exactly once, whoever takes part. Step s is positions [s*G, (s+1)*G) of the global order.
 Each group reads the whole step and, after the quorum, takes its slice by participating place
-(shares of G over the P participants, by type weight where `scaling.balance` gives them). Each
-pass's loss is weighted by P*b/G and torchft averages the gradients over the P participants,
-so the update is the mean over the step's tokens, as with any fixed split. The participants
-then sum their loss parts with a checksum of the positions they took (`StepSums`), and vote; a
-step that does not commit is taken again, with the same positions, by the next quorum. A
-committed step's positions go into the ledger only after its checksum showed that the
-participants took each of them exactly once.
+(shares of G over the P participants, by type weight or declared speed where
+`scaling.balance` asks: speeds.py). Each pass's loss is weighted by P*b/G and torchft averages
+the gradients over the P participants, so the update is the mean over the step's tokens, as
+with any fixed split. The participants then sum their loss parts with a checksum of the
+positions they took (`StepSums`), and vote; a step that does not commit is taken again, with
+the same positions, by the next quorum. A committed step's positions go into the ledger only
+after its checksum showed that the participants took each of them exactly once.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from raytrain_lm.trainer.components.balance import type_weights
-from raytrain_lm.trainer.components.batch_plan import BatchPlan
+from raytrain_lm.trainer.components.batch_plan import BatchPlan, share_metrics
 from raytrain_lm.trainer.components.parts import LoopParts
 from raytrain_lm.trainer.components.state import Settled
 from raytrain_lm.trainer.components.step import StepParts
@@ -31,7 +31,9 @@ from raytrain_lm.trainer.groups.roster import (
     position_checksum,
     roster_slots,
 )
+from raytrain_lm.trainer.groups.speeds import DeclaredSpeed, agreed_weights
 from raytrain_lm.trainer.groups.sums import Packer
+from raytrain_lm.trainer.progress import announce
 
 if TYPE_CHECKING:
     from raytrain_lm.trainer.groups.replicas import ReplicaGroup
@@ -65,6 +67,11 @@ class ReplicaStep:
         self.quorum_formed = False  # the quorum of the group's start serves its first step
         self.whole_step: tuple[int, np.ndarray, np.ndarray] | None = None
         self.plan: BatchPlan | None = None
+        clock, tolerance = parts.trainee.clock, parts.cfg.scaling.balance_tolerance
+        self.speed = DeclaredSpeed(clock, tolerance) if clock is not None else None  # auto
+        self.speeds: list[float] = []  # the declarations the last plan was made from
+        self.members_seen = 0  # how many took part in the last plan
+        self.shares: tuple[int, ...] = ()
 
     def begin(self, step: int) -> tuple[StepParts, int]:
         """A quorum (healing first if this group is behind), then this step's shares over its
@@ -135,17 +142,47 @@ class ReplicaStep:
         )
 
     def shares_plan(self) -> BatchPlan:
-        """This step's shares of the global batch over its participants: equal, or by the
-        participants' type weights (`scaling.balance`)."""
-        members, cfg = self.group.members, self.parts.cfg
-        weights = [1.0] * members.participants
-        if isinstance(cfg.scaling.balance, dict):
-            mine = type_weights(cfg.scaling.balance, self.parts.trainee.where.types)[0]
-            vector = torch.zeros(
-                members.participants, dtype=torch.float64, device=self.parts.device
-            )
-            vector[members.participant] = mine
-            gathered = self.group.quorum.sum(vector).tolist()
-            if all(w > 0 for w in gathered):  # else the reduction failed: no commit anyway
-                weights = gathered
-        return BatchPlan.derive(cfg.training, members.participants, weights)
+        """This step's shares of the global batch over its participants: equal, by the
+        participants' type weights, or by their declared speeds (`scaling.balance`)."""
+        members, cfg, parts = self.group.members, self.parts.cfg, self.parts
+        place, participants = members.participant, members.participants
+        weights = None
+        if self.speed is not None:
+            self.speed.before_step(parts.progress.step)
+            summed = self._sum(self.speed.slots(place, participants))
+            weights = agreed_weights(summed, participants)
+        elif isinstance(cfg.scaling.balance, dict):
+            vector = [0.0] * participants
+            vector[place] = type_weights(cfg.scaling.balance, parts.trainee.where.types)[0]
+            summed = self._sum(vector)
+            if all(w > 0 for w in summed):  # else the reduction failed: no commit anyway
+                weights = summed
+        plan = BatchPlan.derive(cfg.training, participants, weights or [1.0] * participants)
+        if self.speed is not None:
+            self.speed.agreed_share(parts.progress.step, plan.shares[place])
+            self._note_speeds(plan, summed[:participants])
+        return plan
+
+    def _sum(self, values: list[float]) -> list[float]:
+        vector = torch.tensor(values, dtype=torch.float64, device=self.parts.device)
+        return self.group.quorum.sum(vector).tolist()
+
+    def _note_speeds(self, plan: BatchPlan, speeds: list[float]) -> None:
+        """The chief records a plan that new declarations changed (a change of members alone
+        is the replicas_changed event's)."""
+        parts, step = self.parts, self.parts.progress.step
+        same_members, self.members_seen = len(speeds) == self.members_seen, len(speeds)
+        if not any(speeds):  # nobody has declared, or the sum failed (no commit)
+            return
+        changed = same_members and speeds != self.speeds and plan.shares != self.shares
+        self.speeds, self.shares = speeds, plan.shares
+        if not changed:
+            return
+        parts.tracker.log_metrics(share_metrics(plan), step=step)
+        rates = [round(s, 2) for s in speeds]
+        if self.group.is_chief:
+            parts.journal.event("batch_plan", step=step, reason="measured",
+                                shares=list(plan.shares), passes=list(plan.passes),
+                                sequences_per_s=rates)  # fmt: skip
+            announce(f"balance at step {step} (sequences/s declared by the groups {rates}): "
+                     f"{plan.describe()}")  # fmt: skip

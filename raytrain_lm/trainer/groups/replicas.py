@@ -9,10 +9,8 @@ come back) heals from a live peer (healing.py) and takes part in that same step.
 group is alive (the first start, or all lost) does a group restore the run's newest checkpoint,
 which stays the backstop.
 
-Exactly once, whoever takes part (replica_step.py): step s is positions [s*G, (s+1)*G) of the
-global order; the participants split them, sum a checksum of what they took with their losses,
-and vote; a step that does not commit is taken again, with the same positions, by the next
-quorum.
+Exactly once, whoever takes part (replica_step.py): the participants split step s's positions
+and check the split in the step's sums; a step that does not commit is taken again.
 
 Who writes: the lowest participating place of the latest quorum is the chief (metrics, events,
 heartbeats, checkpoints, ledger); every group keeps what the chief needs (chief.py), so whoever
@@ -90,10 +88,9 @@ class ReplicaGroup:
 
     @property
     def speaks_for_run(self) -> bool:
-        """Whether this group's metrics and progress go out: the chief's, except at a read it
-        makes only because it is leaving the others to train on (a spot notice): every group
-        queued those steps, and the next chief logs them once, at its next read. At a read
-        every group makes (log, eval, checkpoint steps) the others drop theirs: it logs."""
+        """The chief's metrics and progress go out, except at a read it makes only because it
+        leaves the others (a spot notice): the next chief logs those steps at its next read.
+        At a read every group makes (log, eval, checkpoint steps) the others drop theirs."""
         members = self.members
         leaving_alone = self.leaving and members.participants > 1 and not self.regular_read
         return members.is_chief and not leaving_alone
@@ -209,6 +206,9 @@ class ReplicaGroup:
             announce(f"replica group {self.group} joined at step {step}, healed from a peer")
         members.last_commit_t = time.time()
         self.started = True  # from here on it has committed state to save (running)
+
+    def rebalancer(self, forced_reads: set[int]) -> None:
+        return None  # shares by speed are agreed at every step (speeds.py)
 
     def forced_reads(self, step: int) -> set[int]:
         # Every group reads at the same steps, so the next chief holds what the last did not log.

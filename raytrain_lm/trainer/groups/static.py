@@ -25,6 +25,7 @@ from raytrain_lm.trainer.components.budget import BudgetGuard
 from raytrain_lm.trainer.components.cadence import Flags
 from raytrain_lm.trainer.components.parts import LoopParts
 from raytrain_lm.trainer.components.pending_values import WARMUP_STEPS
+from raytrain_lm.trainer.components.rebalancing import Rebalancer
 from raytrain_lm.trainer.components.spot_first import (
     DeadlineCapacity,
     measured_restart_s,
@@ -124,6 +125,11 @@ class StaticGroup:
             nodes = sorted(self.ray.alive_node_ids())
             self.budget, self.interruptions = record_start(parts, nodes, world_size, group_price)
         parts.tracker.log_metrics(start_metrics(parts), step=state.step)
+
+    def rebalancer(self, forced_reads: set[int]) -> Rebalancer | None:
+        """The group re-plans its ranks' shares at its reads (rebalancing.py)."""
+        clock = self.parts.trainee.clock
+        return Rebalancer(self.parts, self, forced_reads) if clock is not None else None
 
     def forced_reads(self, step: int) -> set[int]:
         """Reads at a group's first step and at the end of its warm-up, so that neither the
