@@ -119,6 +119,7 @@ def test_groups_of_different_speeds_take_shares_by_their_measured_speeds(
     plans = [e for e in events if e["event"] == "batch_plan"]
     # Both groups measure steps 3-7 (after the warm-up of steps 0-2) and declare at step 8.
     assert len(plans) == 1 and 8 <= plans[0]["step"] < steps, plans
+    assert plans[0]["groups"] == [0, 1]
     fast, slow = plans[0]["sequences_per_s"]
     assert 1.4 <= fast / slow <= 2.4, plans
     shares = plans[0]["shares"]

@@ -199,7 +199,7 @@ def test_a_group_declares_its_measured_speed_and_shares_follow_the_declarations(
         assert speed.declared is None, s
     step(WARMUP_STEPS + MEASURE_STEPS, 6, 0.05)
     assert speed.declared == pytest.approx(20.0)  # the warm-up's passes left out
-    assert speed.slots(1, 2) == pytest.approx([0.0, 20.0, 0.0, 1.0])
+    assert speed.slots(1, 2, group=1) == pytest.approx([0, 20, 0, 1, 0, 2])  # place 1: group 1
     first = WARMUP_STEPS + MEASURE_STEPS + 1
     for s in range(first, first + MEASURE_STEPS):  # within the tolerance: no new declaration
         step(s, 6, 0.055)
@@ -218,3 +218,92 @@ def test_a_group_declares_its_measured_speed_and_shares_follow_the_declarations(
     assert agreed_weights([30.0, 10.0, 1.0, 2.0], 2) is None  # not a sum of declarations
     training = TrainingConfig(global_batch_size=GLOBAL_BATCH)
     assert BatchPlan.derive(training, 2, [30.0, 10.0]).shares == (9, 3)
+
+
+def test_the_stop_flag_carries_the_chiefs_reason_to_whoever_writes_the_stop(tmp_path):
+    """The chief sends its reason's code in the stop flag; any group that sees the summed flag
+    knows why, so a chief that took over before the stop was written says why (a budget
+    spent), not the default (a request). A group that is not chief sends nothing."""
+    from types import SimpleNamespace
+
+    from raytrain_lm.rundir import RunDir
+    from raytrain_lm.trainer.components import stop_requests
+    from raytrain_lm.trainer.groups.chief_stops import ChiefStops
+
+    run_dir = RunDir.coerce(tmp_path)
+    from raytrain_lm.trainer.components.cadence import Every
+
+    cfg = load_config(None, ["scaling.fault_tolerance=replicas"])
+    progress = SimpleNamespace(step=5)
+    chief = SimpleNamespace(is_chief=True, parts=SimpleNamespace(progress=progress, end_step=10),
+                            price_per_hour=lambda: 1.0)  # fmt: skip
+    stops, successor = ChiefStops(cfg, run_dir, "cpu", 1.0), ChiefStops(cfg, run_dir, "cpu", 1.0)
+    stops.checks = Every(steps=1)  # checked at every step, not on the clock
+    assert stops.flag(chief) == 0.0 and not successor.seen(0.0)
+    stops.reason = "budget"  # as `due` sets it when the spend reached budget.max_usd
+    stop_requests.request_stop(run_dir, "budget")
+    flag = stops.flag(SimpleNamespace(**{**vars(chief), "is_chief": False}))
+    assert flag == 0.0  # only the chief speaks
+    flag = stops.flag(chief)
+    assert flag == 1.0 and stops.reason == "request"  # a request found first: its own code
+    stops.reason = "budget"
+    assert successor.seen(2.0) and successor.reason == "budget"
+    assert successor.seen(flag) and successor.reason == "request"
+
+
+def test_a_speed_plan_counts_once_its_step_commits_and_is_recorded_when_declarations_moved_it():
+    """Before each step the participants sum their declarations (a fake quorum returns the
+    sums here): equal shares until both groups declared, then shares by speed, recorded once
+    by the chief (`batch_plan`, the groups and their speeds) as that step commits. A failed
+    reduction's vector (a group's own) is never settled; equal declared speeds and a change
+    of members record nothing."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from raytrain_lm.trainer.groups.replica_step import ReplicaStep
+
+    cfg = load_config(
+        None,
+        [
+            "scaling.fault_tolerance=replicas",
+            "scaling.balance=auto",
+            "training.global_batch_size=12",
+        ],
+    )
+    events, logged, sums = [], [], []
+    parts = SimpleNamespace(
+        cfg=cfg, progress=SimpleNamespace(step=0), device=torch.device("cpu"),
+        trainee=SimpleNamespace(clock=FakeClock()),
+        tracker=SimpleNamespace(log_metrics=lambda metrics, step: logged.append((step, metrics))),
+        journal=SimpleNamespace(event=lambda name, **fields: events.append((name, fields))),
+    )  # fmt: skip
+    quorum = SimpleNamespace(sum=lambda vector: torch.tensor(sums.pop(0), dtype=torch.float64))
+    members = SimpleNamespace(participant=0, participants=2)
+    group = SimpleNamespace(group=0, members=members, quorum=quorum, is_chief=True)
+    replica_step = ReplicaStep(group, parts)
+
+    def take(step: int, summed: list[float], commits: bool = True) -> tuple[int, ...]:
+        parts.progress.step = step
+        sums.append(summed)
+        replica_step.plan = replica_step.shares_plan()
+        if commits:
+            replica_step._settle_speeds()
+        return replica_step.plan.shares
+
+    assert take(0, [0, 0, 0, 0, 1, 2]) == (6, 6)  # nobody has measured
+    assert take(1, [20, 0, 1, 0, 1, 2]) == (6, 6)  # group 1 counts at group 0's speed
+    assert take(2, [20, 10, 1, 1, 1, 2], commits=False) == (8, 4)  # the vote fails
+    assert take(2, [20, 0, 1, 0, 1, 0], commits=False) == (6, 6)  # a failed sum: its own
+    assert not events and replica_step.speed.share == 6
+    assert take(2, [20, 10, 1, 1, 1, 2]) == (8, 4)  # taken again: commits
+    ((name, fields),) = events
+    assert name == "batch_plan" and fields["step"] == 2 and fields["groups"] == [0, 1]
+    assert fields["shares"] == [8, 4] and fields["sequences_per_s"] == [20, 10]
+    assert logged == [(2, {"plan/rank0_share": 8.0, "plan/rank1_share": 4.0})]
+    assert replica_step.speed.share == 8  # this group measures its new share anew
+    assert take(3, [20, 10, 1, 1, 1, 2]) == (8, 4)
+    members.participants = 3  # a third group joins: the members' change, not a new plan
+    assert take(4, [20, 10, 0, 1, 1, 0, 1, 2, 3]) == (5, 3, 4)  # the third: the mean
+    assert take(5, [20, 20, 20, 1, 1, 1, 1, 2, 3]) == (4, 4, 4)  # declarations moved it
+    assert len(events) == 2 and events[1][1]["groups"] == [0, 1, 2]

@@ -20,6 +20,9 @@ if TYPE_CHECKING:
     from raytrain_lm.trainer.groups.replicas import ReplicaGroup
 
 
+REASONS = ("request", "budget")
+
+
 class ChiefStops:
     def __init__(self, cfg: RunConfig, run_dir: RunDir, accelerator: str, usd_per_hour: float):
         self.limit = cfg.budget.max_usd
@@ -32,6 +35,19 @@ class ChiefStops:
         self.checks = Every(seconds=cfg.fault.preemption_check_s)
         self.spend: RunningSpend | None = None
         self.reason = "request"  # or "budget": what the stop event says (stop_requests.stop_why)
+
+    def flag(self, group: ReplicaGroup) -> float:
+        """The stop flag this group sends in a step's or a round's sums: 0, or the code of
+        the chief's reason (1 + its place in REASONS), so that whichever group is chief when
+        the stop is written says why, also when the chief changed in between."""
+        return float(1 + REASONS.index(self.reason)) if self.due(group) else 0.0
+
+    def seen(self, summed: float) -> bool:
+        """Whether the summed flag says stop (only the chief sends one), and why."""
+        code = round(summed)
+        if code > 0:
+            self.reason = REASONS[code - 1]
+        return code > 0
 
     def due(self, group: ReplicaGroup) -> bool:
         """Every group's, at every step or round it takes: whether the chief raises the stop

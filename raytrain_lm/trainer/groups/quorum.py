@@ -242,8 +242,9 @@ class Quorum:
         return self.manager.participating_rank(), self.manager.num_participants()
 
     def sum(self, values: torch.Tensor) -> torch.Tensor:
-        """`values` summed over this step's participants (zeros if the reduction failed:
-        the step then does not commit)."""
+        """`values` summed over this step's participants. If the reduction failed the step
+        does not commit, and `values` holds anything (torchft leaves a group its own after an
+        error, or a part-reduced vector): use it only once the step commits."""
         from torch.distributed import ReduceOp
 
         self.bytes.add(values)

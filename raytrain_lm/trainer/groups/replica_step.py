@@ -31,7 +31,7 @@ from raytrain_lm.trainer.groups.roster import (
     position_checksum,
     roster_slots,
 )
-from raytrain_lm.trainer.groups.speeds import DeclaredSpeed, agreed_weights
+from raytrain_lm.trainer.groups.speeds import DeclaredSpeed, agreed_weights, declared_speeds
 from raytrain_lm.trainer.groups.sums import Packer
 from raytrain_lm.trainer.progress import announce
 
@@ -45,7 +45,7 @@ class StepSums:
 
     loss: Any  # their parts of the step's mean loss (a device scalar when packed)
     checksum: list[float]  # of the positions each took (roster.position_checksum)
-    stop: float  # the chief saw a stop request
+    stop: float  # the chief's stop flag: 0, or its reason's code (chief_stops.py)
     stored: float  # the chief's store holds every step up to this - 1 (chief.py; 0: unknown)
     written: float  # the chief's ledger is written through this step - 1 (0: unknown)
     roster: list[float]  # each participant's type and price, in its slots (roster.py)
@@ -69,9 +69,9 @@ class ReplicaStep:
         self.plan: BatchPlan | None = None
         clock, tolerance = parts.trainee.clock, parts.cfg.scaling.balance_tolerance
         self.speed = DeclaredSpeed(clock, tolerance) if clock is not None else None  # auto
-        self.speeds: list[float] = []  # the declarations the last plan was made from
-        self.members_seen = 0  # how many took part in the last plan
-        self.shares: tuple[int, ...] = ()
+        self.declarations: list[float] = []  # the participants' sum of them, this step
+        self.members_seen: tuple[int, ...] = ()  # the groups of the last committed plan
+        self.shares: tuple[int, ...] = ()  # and their shares
 
     def begin(self, step: int) -> tuple[StepParts, int]:
         """A quorum (healing first if this group is behind), then this step's shares over its
@@ -108,7 +108,7 @@ class ReplicaStep:
         sums = StepSums(
             loss=loss.reshape(1),
             checksum=position_checksum(taken),
-            stop=float(group.stop_due()),  # the chief's
+            stop=group.stop_due(),  # the chief's, with its reason
             stored=stored,
             written=written,
             roster=roster_slots(
@@ -131,9 +131,11 @@ class ReplicaStep:
         check_step_taken(step, g, summed.checksum)
         group.confirm(summed.stored, summed.written)  # what the chief's writes hold
         members.committed(step + 1, parts.journal)
-        group.stop_seen = summed.stop > 0
+        group.stop_seen = group.stops.seen(summed.stop)
         group.interval.settle(summed.interval, parts.every.checkpoint)
         members.note_roster(summed.roster, parts.journal, step + 1)
+        if self.speed is not None:
+            self._settle_speeds()
         positions = np.arange(step * g, (step + 1) * g, dtype=np.int64)
         return Settled(
             loss=torch.tensor(summed.loss, device=parts.device),
@@ -149,39 +151,38 @@ class ReplicaStep:
         weights = None
         if self.speed is not None:
             self.speed.before_step(parts.progress.step)
-            summed = self._sum(self.speed.slots(place, participants))
+            summed = self._sum(self.speed.slots(place, participants, self.group.group))
             weights = agreed_weights(summed, participants)
+            self.declarations = summed  # in use once the step commits (_settle_speeds)
         elif isinstance(cfg.scaling.balance, dict):
             vector = [0.0] * participants
             vector[place] = type_weights(cfg.scaling.balance, parts.trainee.where.types)[0]
             summed = self._sum(vector)
             if all(w > 0 for w in summed):  # else the reduction failed: no commit anyway
                 weights = summed
-        plan = BatchPlan.derive(cfg.training, participants, weights or [1.0] * participants)
-        if self.speed is not None:
-            self.speed.agreed_share(parts.progress.step, plan.shares[place])
-            self._note_speeds(plan, summed[:participants])
-        return plan
+        return BatchPlan.derive(cfg.training, participants, weights or [1.0] * participants)
 
     def _sum(self, values: list[float]) -> list[float]:
         vector = torch.tensor(values, dtype=torch.float64, device=self.parts.device)
         return self.group.quorum.sum(vector).tolist()
 
-    def _note_speeds(self, plan: BatchPlan, speeds: list[float]) -> None:
-        """The chief records a plan that new declarations changed (a change of members alone
-        is the replicas_changed event's)."""
-        parts, step = self.parts, self.parts.progress.step
-        same_members, self.members_seen = len(speeds) == self.members_seen, len(speeds)
-        if not any(speeds):  # nobody has declared, or the sum failed (no commit)
-            return
-        changed = same_members and speeds != self.speeds and plan.shares != self.shares
-        self.speeds, self.shares = speeds, plan.shares
-        if not changed:
+    def _settle_speeds(self) -> None:
+        """A committed step's plan: this group measures its share anew if it changed, and the
+        chief records a plan that new declarations changed among the same groups (one that
+        members changed is the replicas_changed event's). Only a committed step's sums are
+        the participants' (a failed reduction leaves a group its own vector)."""
+        parts, plan, step = self.parts, self.plan, self.parts.progress.step
+        participants = plan.world_size
+        self.speed.agreed_share(step, plan.shares[self.group.members.participant])
+        speeds, ids = declared_speeds(self.declarations, participants)
+        shares_before, ids_before = self.shares, self.members_seen
+        self.shares, self.members_seen = plan.shares, ids
+        if plan.shares == shares_before or ids != ids_before:
             return
         parts.tracker.log_metrics(share_metrics(plan), step=step)
-        rates = [round(s, 2) for s in speeds]
         if self.group.is_chief:
-            parts.journal.event("batch_plan", step=step, reason="measured",
+            rates = [None if s is None else round(s, 2) for s in speeds]
+            parts.journal.event("batch_plan", step=step, reason="measured", groups=list(ids),
                                 shares=list(plan.shares), passes=list(plan.passes),
                                 sequences_per_s=rates)  # fmt: skip
             announce(f"balance at step {step} (sequences/s declared by the groups {rates}): "

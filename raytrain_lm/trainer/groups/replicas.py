@@ -231,8 +231,8 @@ class ReplicaGroup:
     def settle(self, summed, positions, loss) -> Settled:
         return self.step.settle(summed)
 
-    def stop_due(self) -> bool:
-        return self.stops.due(self)  # the chief's word; the others keep no account
+    def stop_due(self) -> float:
+        return self.stops.flag(self)  # the chief's word and why; the others keep no account
 
     # ------------------------------------------------------------------------------ ending
 

@@ -59,20 +59,31 @@ class DeclaredSpeed:
             self.share = share
             self.warm_until, self.window_from = step + WARMUP_STEPS, None
 
-    def slots(self, place: int, participants: int) -> list[float]:
+    def slots(self, place: int, participants: int, group: int) -> list[float]:
         """This group's part of the vector the participants sum: its declared speed at its
-        place, and at `participants + place` whether it has declared one."""
-        vector = [0.0] * (2 * participants)
+        place, at `participants + place` whether it has declared one, and at
+        `2 * participants + place` its group's index + 1 (who the places are)."""
+        vector = [0.0] * (3 * participants)
+        vector[2 * participants + place] = group + 1.0
         if self.declared is not None:
             vector[place], vector[participants + place] = self.declared, 1.0
         return vector
+
+
+def declared_speeds(
+    summed: Sequence[float], participants: int
+) -> tuple[list[float | None], tuple[int, ...]]:
+    """The participants' declared speeds (None: not yet measured) and their groups, by place."""
+    p = participants
+    speeds = [s if f == 1.0 else None for s, f in zip(summed[:p], summed[p : 2 * p], strict=True)]
+    return speeds, tuple(round(g) - 1 for g in summed[2 * p : 3 * p])
 
 
 def agreed_weights(summed: Sequence[float], participants: int) -> list[float] | None:
     """Each participant's weight from the summed declarations: its declared speed, or the mean
     of the declared ones where it has none; equal weights when nobody has declared; None when
     the sum is not one the participants made (a failed reduction: the step does not commit)."""
-    speeds, declared = summed[:participants], summed[participants:]
+    speeds, declared = summed[:participants], summed[participants : 2 * participants]
     if any(f not in (0.0, 1.0) for f in declared) or not all(math.isfinite(s) for s in speeds):
         return None
     pairs = list(zip(speeds, declared, strict=True))

@@ -60,7 +60,7 @@ class RoundSums:
     norms: Any  # each inner step's gradient norms
     checksum: list[float]  # of the positions the groups took (roster.position_checksum)
     trainers: float  # groups that trained the unit (a joiner did not)
-    stop: float  # the chief saw a stop request
+    stop: float  # the chief's stop flag: 0, or its reason's code (chief_stops.py)
     stored: float  # the chief's store holds every step up to this - 1 (chief.py; 0: unknown)
     written: float  # the chief's ledger is written through this step - 1 (0: unknown)
     roster: list[float]  # each trainer's type and price, at its place when it trained
@@ -242,7 +242,7 @@ class Rounds:
         group, members, parts = self.group, self.group.members, self.parts
         trained_as, healed_before = members.participant, group.healing.healed_at
         # The chief of the unit just trained says whether a stop was requested.
-        stop = not joining and group.stop_due()  # the chief's
+        stop = 0.0 if joining else group.stop_due()  # the chief's, with its reason
         if not joining:
             members.formed(group.quorum.form())
             self.leavers.quorum_stale = False
@@ -273,7 +273,7 @@ class Rounds:
             self.roll_back()
         return summed, unit, committed
 
-    def _reduce(self, unit: Unit, trained_as: int | None, leaving: bool, stop: bool) -> RoundSums:
+    def _reduce(self, unit: Unit, trained_as: int | None, leaving: bool, stop: float) -> RoundSums:
         group, members, parts, u = self.group, self.group.members, self.parts, self.unit_steps
         device, groups = parts.device, members.groups
         zeros = [torch.zeros((), device=device)] * u
@@ -287,7 +287,7 @@ class Rounds:
             norms=torch.cat([torch.stack(norms).double().reshape(-1).to(device), pad]),
             checksum=position_checksum(np.concatenate(unit.taken)) if unit.taken else [0.0] * 3,
             trainers=float(unit.trained),
-            stop=float(unit.trained and stop),
+            stop=stop if unit.trained else 0.0,
             stored=stored,
             written=written,
             roster=roster_slots(trained_as, groups, parts.trainee.where.types[0], group.my_price)
@@ -331,7 +331,7 @@ class Rounds:
         trainers, g = max(1, round(summed.trainers)), parts.cfg.training.global_batch_size
         self.outer_steps += 1
         members.committed(unit.first + unit.length, parts.journal)
-        group.stop_seen = summed.stop > 0
+        group.stop_seen = group.stops.seen(summed.stop)
         group.confirm(summed.stored, summed.written)  # what the chief's writes hold
         members.note_roster(summed.roster[: SLOTS_PER_PARTICIPANT * trainers], parts.journal,
                             unit.first)  # fmt: skip
