@@ -157,7 +157,7 @@ def test_a_chiefs_running_spend_starts_from_the_events(tmp_path):
     append_event(run_dir, "segment_start", segment="s", t_start=1000.0, t_restored=1000.0,
                  restored_step=0, world_size=1, price_per_hour=3600.0, t=1000.0)  # fmt: skip
     spend = RunningSpend(run_dir, now=1010.0)
-    assert spend.read.result() == pytest.approx(10.0)  # 10 s at $3,600/h, read on its thread
+    assert spend.read.result()[0] == pytest.approx(10.0)  # 10 s at $3,600/h, on its thread
     assert spend.add(1015.0, 7200.0) == pytest.approx(20.0)  # and 5 s at $7,200/h
 
 
@@ -307,3 +307,39 @@ def test_a_speed_plan_counts_once_its_step_commits_and_is_recorded_when_declarat
     assert take(4, [20, 10, 0, 1, 1, 0, 1, 2, 3]) == (5, 3, 4)  # the third: the mean
     assert take(5, [20, 20, 20, 1, 1, 1, 1, 2, 3]) == (4, 4, 4)  # declarations moved it
     assert len(events) == 2 and events[1][1]["groups"] == [0, 1, 2]
+
+
+def test_whichever_group_is_chief_logs_the_runs_spend_and_projections(tmp_path):
+    """With budget.* set, a replica group's cost metrics come from the account its chief keeps
+    (budget.RunningSpend), so a chief that took over logs `cost/spent`, `cost/projected` and
+    the deadline's slack from the run's events, not from its own journal; a group that is not
+    chief logs none (the chief's are the run's)."""
+    from types import SimpleNamespace
+
+    from raytrain_lm.run_events.journal import append_event
+    from raytrain_lm.rundir import RunDir
+    from raytrain_lm.trainer.components.cadence import Every
+    from raytrain_lm.trainer.groups.chief_stops import ChiefStops
+
+    run_dir = RunDir.coerce(tmp_path)
+    append_event(run_dir, "job_start", t=900.0)
+    append_event(run_dir, "segment_start", segment="s", t_start=1000.0, t_restored=1000.0,
+                 restored_step=0, world_size=2, price_per_hour=7200.0, t=1000.0)  # fmt: skip
+    overrides = ["scaling.fault_tolerance=replicas", "fault.price_per_hour.cpu=3600",
+                 "budget.max_usd=1000", "budget.deadline=1h", "training.max_steps=100"]  # fmt: skip
+    successor = ChiefStops(load_config(None, overrides), run_dir, "cpu", 3600.0)
+    successor.checks = Every(steps=1000)
+    progress = SimpleNamespace(step=40)
+    chief = SimpleNamespace(is_chief=True, parts=SimpleNamespace(progress=progress, end_step=100),
+                            price_per_hour=lambda: 7200.0)  # fmt: skip
+    assert successor.metrics([], 1010.0, 40, 1.0, 7200.0) == {}  # nothing read yet
+    assert not successor.due(chief, now=1010.0)  # takes over: reads the events on its thread
+    successor.spend.read.result()  # read
+    assert not successor.due(chief, now=1010.0)  # under budget
+    metrics = successor.metrics([], 1010.0, 40, 1.0, 7200.0)
+    assert metrics["cost/spent"] == pytest.approx(20.0)  # 10 s at $7,200/h
+    assert metrics["cost/projected"] == pytest.approx(20.0 + 60 * 2.0)  # 60 steps of 1 s
+    assert metrics["time/projected_finish_h"] == pytest.approx((1010 + 60 - 900) / 3600)
+    assert metrics["time/slack_s"] == pytest.approx(0.4 * 3600 - 110)
+    successor.due(SimpleNamespace(**{**vars(chief), "is_chief": False}), now=1011.0)
+    assert successor.metrics([], 1011.0, 41, 1.0, 7200.0) == {}

@@ -51,8 +51,8 @@ class RunningSpend:
 
     def __init__(self, run_dir: RunDir, now: float):
         self.t, self.since = now, 0.0  # what the groups' price added after the read's `now`
-        self._reading = lambda: summarize(read_events(run_dir), now).cost
-        self.read: Future[float] = _READER.submit(self._reading)
+        self._reading = lambda: _spent_and_first_start(read_events(run_dir), now)
+        self.read: Future[tuple[float, float]] = _READER.submit(self._reading)
 
     def add(self, now: float, usd_per_hour: float) -> float | None:
         self.since += max(0.0, now - self.t) * usd_per_hour / 3600
@@ -62,43 +62,38 @@ class RunningSpend:
         if self.read.exception() is not None:  # the bucket was away: read again, counting on
             self.read = _READER.submit(self._reading)
             return None
-        return self.read.result() + self.since
+        return self.read.result()[0] + self.since
+
+    @property
+    def first_start(self) -> float | None:
+        """When the run first started (its first job), once the events are read."""
+        done = self.read.done() and self.read.exception() is None
+        return self.read.result()[1] if done else None
+
+
+def _spent_and_first_start(events: list[dict[str, Any]], now: float) -> tuple[float, float]:
+    starts = [e["t"] for e in events if e["event"] == "job_start"]
+    return summarize(events, now).cost, min(starts) if starts else now
 
 
 _READER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spend-read")
 
 
-class BudgetGuard:
-    def __init__(self, budget: BudgetConfig, run_dir: RunDir, end_step: int):
-        """Called by the chief as its group starts, after the previous group's end is
-        recorded and before this one's start: the earlier groups' spend is final then."""
-        events = read_events(run_dir)
+class Projections:
+    """`cost/spent`, `cost/projected` and `time/projected_finish_h` (and `time/slack_s` with a
+    deadline) from the spend so far, saying once when either passes its limit."""
+
+    def __init__(self, budget: BudgetConfig, end_step: int):
         self.budget, self.end_step = budget, end_step
-        self.spent_before = summarize(events).cost
-        starts = [e["t"] for e in events if e["event"] == "job_start"]
-        self.first_start = min(starts) if starts else time.time()
         self.warned: set[str] = set()
-        self.capacity: DeadlineCapacity | None = (
-            None  # scaling.capacity=spot_first (groups/static.py)
-        )
-
-    def spent(self, segment_events: list[dict[str, Any]], now: float) -> float:
-        return self.spent_before + summarize(segment_events, now).cost
-
-    def exhausted(self, segment_events: list[dict[str, Any]], now: float) -> bool:
-        limit = self.budget.max_usd
-        return limit is not None and self.spent(segment_events, now) >= limit
 
     def metrics(
-        self, segment_events: list[dict[str, Any]], now: float, step: int, step_s: float,
+        self, spent: float, first_start: float, now: float, step: int, step_s: float,
         usd_per_hour: float,
     ) -> dict[str, float]:  # fmt: skip
-        """`cost/projected` (and `time/projected_finish_h`) at `step`, saying once when
-        either passes its limit."""
         left_s = max(0, self.end_step - step) * step_s
-        spent = self.spent(segment_events, now)
         projected = spent + left_s * usd_per_hour / 3600
-        finish_h = (now + left_s - self.first_start) / 3600
+        finish_h = (now + left_s - first_start) / 3600
         limit, deadline_s = self.budget.max_usd, self.budget.deadline_s
         if limit is not None and projected > limit and "budget" not in self.warned:
             self.warned.add("budget")
@@ -117,13 +112,38 @@ class BudgetGuard:
                 f"deadline: at this pace the run finishes {finish_h:,.1f} h after its first "
                 f"start, past budget.deadline={self.budget.deadline}"
             )
-        metrics = {
-            "cost/spent": spent,
-            "cost/projected": projected,
-            "time/projected_finish_h": finish_h,
-        }
+        metrics = {"cost/spent": spent, "cost/projected": projected,
+                   "time/projected_finish_h": finish_h}  # fmt: skip
         if deadline_s is not None:
-            metrics["time/slack_s"] = slack_s(
-                step, self.end_step, now - self.first_start, deadline_s
-            )
+            metrics["time/slack_s"] = slack_s(step, self.end_step, now - first_start, deadline_s)
         return metrics
+
+
+class BudgetGuard:
+    def __init__(self, budget: BudgetConfig, run_dir: RunDir, end_step: int):
+        """Called by the chief as its group starts, after the previous group's end is
+        recorded and before this one's start: the earlier groups' spend is final then."""
+        events = read_events(run_dir)
+        self.budget, self.end_step = budget, end_step
+        self.spent_before = summarize(events).cost
+        starts = [e["t"] for e in events if e["event"] == "job_start"]
+        self.first_start = min(starts) if starts else time.time()
+        self.projections = Projections(budget, end_step)
+        self.capacity: DeadlineCapacity | None = (
+            None  # scaling.capacity=spot_first (groups/static.py)
+        )
+
+    def spent(self, segment_events: list[dict[str, Any]], now: float) -> float:
+        return self.spent_before + summarize(segment_events, now).cost
+
+    def exhausted(self, segment_events: list[dict[str, Any]], now: float) -> bool:
+        limit = self.budget.max_usd
+        return limit is not None and self.spent(segment_events, now) >= limit
+
+    def metrics(
+        self, segment_events: list[dict[str, Any]], now: float, step: int, step_s: float,
+        usd_per_hour: float,
+    ) -> dict[str, float]:  # fmt: skip
+        """The projections at `step` (Projections), from this segment's events so far."""
+        spent = self.spent(segment_events, now)
+        return self.projections.metrics(spent, self.first_start, now, step, step_s, usd_per_hour)

@@ -12,7 +12,8 @@ from raytrain_lm.config import RunConfig
 from raytrain_lm.errors import UserError
 from raytrain_lm.rundir import RunDir
 from raytrain_lm.trainer.components import stop_requests
-from raytrain_lm.trainer.components.budget import RunningSpend
+from raytrain_lm.trainer.components.batch_plan import end_step
+from raytrain_lm.trainer.components.budget import Projections, RunningSpend
 from raytrain_lm.trainer.components.cadence import Every
 from raytrain_lm.trainer.progress import announce
 
@@ -34,6 +35,12 @@ class ChiefStops:
         self.run_dir = run_dir
         self.checks = Every(seconds=cfg.fault.preemption_check_s)
         self.spend: RunningSpend | None = None
+        self.spent: float | None = None  # as of the chief's last step
+        # budget.* set: the chief keeps the run's spend, and its projections are metrics.
+        keeps_account = cfg.budget.max_usd is not None or cfg.budget.deadline is not None
+        self.projections = (
+            Projections(cfg.budget, end_step(cfg.training)) if keeps_account else None
+        )
         self.reason = "request"  # or "budget": what the stop event says (stop_requests.stop_why)
 
     def flag(self, group: ReplicaGroup) -> float:
@@ -49,22 +56,22 @@ class ChiefStops:
             self.reason = REASONS[code - 1]
         return code > 0
 
-    def due(self, group: ReplicaGroup) -> bool:
+    def due(self, group: ReplicaGroup, now: float | None = None) -> bool:
         """Every group's, at every step or round it takes: whether the chief raises the stop
         flag now (the checks run on the preemption check's clock; the chief adds up the
         spend at every call, and a group that is not chief forgets its account, which
         another chief keeps meanwhile)."""
         if not group.is_chief:
-            self.spend = None
+            self.spend = self.spent = None
             return False
-        parts, now = group.parts, time.time()
+        parts, now = group.parts, time.time() if now is None else now
         spent = self._spent(now, group.price_per_hour())
         if not self.checks.due(parts.progress.step, parts.end_step):
             return False
         if stop_requests.stop_requested(self.run_dir):
             self.reason = "request"
             return True
-        if spent is None or spent < self.limit:
+        if spent is None or self.limit is None or spent < self.limit:
             return False
         self.reason = "budget"
         announce(f"budget: ${spent:,.2f} spent, budget.max_usd reached")
@@ -72,12 +79,24 @@ class ChiefStops:
 
     def _spent(self, now: float, usd_per_hour: float) -> float | None:
         """The run's spend, None until this chief has read the events (budget.py)."""
-        if self.limit is None:
+        if self.projections is None:
             return None
         if self.spend is None:
             self.spend = RunningSpend(self.run_dir, now)  # reads the events: as it takes over
-        return self.spend.add(now, usd_per_hour)
+        self.spent = self.spend.add(now, usd_per_hour)
+        return self.spent
+
+    def metrics(
+        self, segment_events: list, now: float, step: int, step_s: float, usd_per_hour: float
+    ) -> dict[str, float]:
+        """The chief's projections (budget.Projections) from the spend it keeps, as the group's
+        `budget` (components/metrics.py): whichever group is chief, once it has read the
+        events. This group's own journal (`segment_events`) is not the run's: not used."""
+        first_start = self.spend.first_start if self.spend is not None else None
+        if self.spent is None or first_start is None:
+            return {}
+        return self.projections.metrics(self.spent, first_start, now, step, step_s, usd_per_hour)
 
     def forget(self) -> None:
         """A group that healed (it sat out the other chiefs' steps): its account is stale."""
-        self.spend = None
+        self.spend = self.spent = None

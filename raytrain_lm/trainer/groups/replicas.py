@@ -72,7 +72,6 @@ class ReplicaGroup:
         self.leaving = False  # a spot notice: this group leaves the others
         self.regular_read = False  # whether the loop's read now is one every group makes
         self.upload_deadline: float | None = None  # a spot notice's (wall clock)
-        self.budget = None  # the first chief's, with budget.* set (its projections)
         self.parts: LoopParts | None = None
         self.started = False  # joined, restored or healed, and recorded its start (start)
 
@@ -114,6 +113,7 @@ class ReplicaGroup:
         market, types = self.ray.node_market(), parts.trainee.where.types
         self.my_price = devices.price_per_hour(cfg.fault.price_per_hour, types[0], market) or 0.0
         self.stops = ChiefStops(cfg, parts.run_dir, types[0], self.my_price)
+        self.budget = self.stops if self.stops.projections else None  # whoever is chief
         self.interval = IntervalAgreement(parts.run_dir)  # checkpoint.every_steps=auto
         self.step = ReplicaStep(self, parts)
         self.uploads = ChiefUploads(self.spec.reports)
@@ -199,7 +199,7 @@ class ReplicaGroup:
             if self.is_chief:
                 nodes = sorted(self.ray.alive_node_ids())
                 started = record_start(parts, nodes, participants, self.my_price)
-                self.budget, self.interval.known_interruptions = started
+                _, self.interval.known_interruptions = started
             parts.tracker.log_metrics(start_metrics(parts), step=step)
             members.seen = participants
         else:
