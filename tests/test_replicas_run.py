@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from mlflow.tracking import MlflowClient
 from support.step_losses import assert_same_step_losses
 from support.sweep_files import write_sweep
 
@@ -85,6 +86,11 @@ def test_two_groups_take_ddps_steps_spend_their_budget_and_resume_exactly(
 
     uri = next(o.split("=", 1)[1] for o in common if o.startswith("tracking.uri="))
     assert_same_step_losses(uri, summary["mlflow_run_id"], reference["mlflow_run_id"], steps)
+    # The chief's account as metrics (chief_stops.py), over both invocations.
+    client = MlflowClient(tracking_uri=uri)
+    history = client.get_metric_history(summary["mlflow_run_id"], "cost/spent")
+    spent = [m.value for m in sorted(history, key=lambda m: (m.step, m.timestamp))]
+    assert spent and spent[-1] >= 10 and spent == sorted(spent), spent
     assert summary["val_loss"] == pytest.approx(reference["val_loss"], abs=1e-4)
 
 
