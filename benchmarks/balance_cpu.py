@@ -1,7 +1,7 @@
 """Speed of `scaling.balance: auto` against equal shares when one rank is slow, side by side in
 one process and one Ray (issue 17).
 
-    .venv/bin/python benchmarks/balance_cpu.py [--rounds 2] [--factor 2 3] [--steps 40]
+    .venv/bin/python benchmarks/balance_cpu.py [--rounds 2] [--factor 2 3] [--steps 40] [--replicas]
 
 Two workers on simulated devices (`RAYTRAIN_LM_FAULT=device-time:seconds=S:rank=1:factor=F`,
 trainer/chaos.py): each forward pass takes S seconds per sequence longer and each backward 2S,
@@ -15,6 +15,10 @@ after step 15 (auto re-plans at step 8; the first intervals after it restart the
 The ideal ratio, for the simulated time alone, is (1 + F) / 2 (equal shares take F units per
 step, balanced ones 2F / (1 + F)); the model's own work, the optimizer and the all-reduce are
 the same either way and pull the measured ratio below it.
+
+`--replicas`: the two workers are replica groups (`scaling.fault_tolerance=replicas`), which
+agree their shares before every step from the speeds each group measured and declared
+(trainer/groups/speeds.py); their declarations, too, come at step 8.
 """
 
 from __future__ import annotations
@@ -42,7 +46,9 @@ MODEL = [
 ]
 
 
-def steady_step_s(work: Path, name: str, balance: str, steps: int) -> tuple[float, list, float]:
+def steady_step_s(
+    work: Path, name: str, balance: str, steps: int, mode: list[str]
+) -> tuple[float, list, float]:
     import raytrain_lm
     from raytrain_lm.config import load_config
 
@@ -56,6 +62,7 @@ def steady_step_s(work: Path, name: str, balance: str, steps: int) -> tuple[floa
         f"training.eval_every={steps}",
         f"checkpoint.every_steps={steps}",
         f"scaling.balance={balance}",
+        *mode,
     ]
     summary = raytrain_lm.train(load_config(None, overrides), sample=False)
     history = raytrain_lm.metric_history(name, output_dir=work / "runs")
@@ -70,7 +77,9 @@ def main() -> None:
     p.add_argument("--factor", type=float, nargs="+", default=[2.0, 3.0])
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--seconds", type=float, default=0.003, help="simulated s/sequence, forward")
+    p.add_argument("--replicas", action="store_true", help="the workers as replica groups")
     args = p.parse_args()
+    mode = ["scaling.fault_tolerance=replicas", "scaling.num_workers=2"] if args.replicas else []
 
     from raytrain_lm.runtime import init_local_ray
     from raytrain_lm.trainer.chaos import ENV_VAR
@@ -83,9 +92,11 @@ def main() -> None:
         ratios = []
         for round_ in range(args.rounds):
             stamp = int(time.time())
-            none_s, _, none_loss = steady_step_s(work, f"n{factor:g}-{stamp}", "none", args.steps)
+            none_s, _, none_loss = steady_step_s(
+                work, f"n{factor:g}-{stamp}", "none", args.steps, mode
+            )
             auto_s, shares, auto_loss = steady_step_s(
-                work, f"a{factor:g}-{stamp}", "auto", args.steps
+                work, f"a{factor:g}-{stamp}", "auto", args.steps, mode
             )
             ratios.append(none_s / auto_s)
             print(

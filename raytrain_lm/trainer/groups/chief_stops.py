@@ -36,6 +36,7 @@ class ChiefStops:
         self.checks = Every(seconds=cfg.fault.preemption_check_s)
         self.spend: RunningSpend | None = None
         self.spent: float | None = None  # as of the chief's last step
+        self.chief = False  # whether this group was chief at its last `due`
         # budget.* set: the chief keeps the run's spend, and its projections are metrics.
         keeps_account = cfg.budget.max_usd is not None or cfg.budget.deadline is not None
         self.projections = (
@@ -61,7 +62,8 @@ class ChiefStops:
         flag now (the checks run on the preemption check's clock; the chief adds up the
         spend at every call, and a group that is not chief forgets its account, which
         another chief keeps meanwhile)."""
-        if not group.is_chief:
+        self.chief = group.is_chief
+        if not self.chief:
             self.spend = self.spent = None
             return False
         parts, now = group.parts, time.time() if now is None else now
@@ -92,7 +94,10 @@ class ChiefStops:
         """The chief's projections (budget.Projections) from the spend it keeps, as the group's
         `budget` (components/metrics.py): whichever group is chief, once it has read the
         events. This group's own journal (`segment_events`) is not the run's: not used."""
-        first_start = self.spend.first_start if self.spend is not None else None
+        if self.spend is None or not self.chief:  # a chief demoted since its last `due`
+            return {}
+        self.spent = self.spend.add(now, usd_per_hour)  # up to now (a DiLoCo sync's time too)
+        first_start = self.spend.first_start
         if self.spent is None or first_start is None:
             return {}
         return self.projections.metrics(self.spent, first_start, now, step, step_s, usd_per_hour)

@@ -113,7 +113,7 @@ class ReplicaGroup:
         market, types = self.ray.node_market(), parts.trainee.where.types
         self.my_price = devices.price_per_hour(cfg.fault.price_per_hour, types[0], market) or 0.0
         self.stops = ChiefStops(cfg, parts.run_dir, types[0], self.my_price)
-        self.budget = self.stops if self.stops.projections else None  # whoever is chief
+        self.budget = self.stops if self.stops.projections is not None else None  # the chief's
         self.interval = IntervalAgreement(parts.run_dir)  # checkpoint.every_steps=auto
         self.step = ReplicaStep(self, parts)
         self.uploads = ChiefUploads(self.spec.reports)
@@ -198,7 +198,7 @@ class ReplicaGroup:
             parts.trainee.plan = BatchPlan.derive(cfg.training, participants, [1.0] * participants)
             if self.is_chief:
                 nodes = sorted(self.ray.alive_node_ids())
-                started = record_start(parts, nodes, participants, self.my_price)
+                started = record_start(parts, nodes, participants, self.my_price, guard=False)
                 _, self.interval.known_interruptions = started
             parts.tracker.log_metrics(start_metrics(parts), step=step)
             members.seen = participants

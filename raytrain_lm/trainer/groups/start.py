@@ -15,16 +15,19 @@ from raytrain_lm.trainer.components.parts import LoopParts
 from raytrain_lm.trainer.progress import announce
 
 
-def record_start(parts: LoopParts, nodes: list[str], world_size: int, price: float):
-    """Returns the budget guard (with budget.* set) and the run's interruptions so far (rate
-    per second, recovery seconds; for checkpoint.every_steps=auto)."""
+def record_start(
+    parts: LoopParts, nodes: list[str], world_size: int, price: float, guard: bool = True
+):
+    """Returns the budget guard (with budget.* set and `guard`: replica groups keep their
+    account in chief_stops.py) and the run's interruptions so far (rate per second, recovery
+    seconds; for checkpoint.every_steps=auto)."""
     cfg, run_dir, state = parts.cfg, parts.run_dir, parts.progress.state
     plan = parts.trainee.plan
     if cfg.training.ledger:
         ledger.discard_after(run_dir, state.step)
     close_previous_segment(run_dir)
     budget = None
-    if cfg.budget.max_usd or cfg.budget.deadline:
+    if guard and (cfg.budget.max_usd or cfg.budget.deadline):
         budget = BudgetGuard(cfg.budget, run_dir, parts.end_step)
     interruptions = (0.0, 0.0)
     if cfg.checkpoint.every_steps == "auto":
