@@ -72,8 +72,13 @@ class RunningSpend:
 
 
 def _spent_and_first_start(events: list[dict[str, Any]], now: float) -> tuple[float, float]:
+    return summarize(events, now).cost, first_start(events, now)
+
+
+def first_start(events: list[dict[str, Any]], default: float) -> float:
+    """When the run's first job started (`default` before any)."""
     starts = [e["t"] for e in events if e["event"] == "job_start"]
-    return summarize(events, now).cost, min(starts) if starts else now
+    return min(starts) if starts else default
 
 
 _READER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spend-read")
@@ -126,8 +131,7 @@ class BudgetGuard:
         events = read_events(run_dir)
         self.budget, self.end_step = budget, end_step
         self.spent_before = summarize(events).cost
-        starts = [e["t"] for e in events if e["event"] == "job_start"]
-        self.first_start = min(starts) if starts else time.time()
+        self.first_start = first_start(events, time.time())
         self.projections = Projections(budget, end_step)
         self.capacity: DeadlineCapacity | None = (
             None  # scaling.capacity=spot_first (groups/static.py)

@@ -35,7 +35,6 @@ class ChiefStops:
         self.run_dir = run_dir
         self.checks = Every(seconds=cfg.fault.preemption_check_s)
         self.spend: RunningSpend | None = None
-        self.spent: float | None = None  # as of the chief's last step
         self.chief = False  # whether this group was chief at its last `due`
         # budget.* set: the chief keeps the run's spend, and its projections are metrics.
         keeps_account = cfg.budget.max_usd is not None or cfg.budget.deadline is not None
@@ -64,7 +63,7 @@ class ChiefStops:
         another chief keeps meanwhile)."""
         self.chief = group.is_chief
         if not self.chief:
-            self.spend = self.spent = None
+            self.spend = None
             return False
         parts, now = group.parts, time.time() if now is None else now
         spent = self._spent(now, group.price_per_hour())
@@ -85,8 +84,7 @@ class ChiefStops:
             return None
         if self.spend is None:
             self.spend = RunningSpend(self.run_dir, now)  # reads the events: as it takes over
-        self.spent = self.spend.add(now, usd_per_hour)
-        return self.spent
+        return self.spend.add(now, usd_per_hour)
 
     def metrics(
         self, segment_events: list, now: float, step: int, step_s: float, usd_per_hour: float
@@ -96,12 +94,12 @@ class ChiefStops:
         events. This group's own journal (`segment_events`) is not the run's: not used."""
         if self.spend is None or not self.chief:  # a chief demoted since its last `due`
             return {}
-        self.spent = self.spend.add(now, usd_per_hour)  # up to now (a DiLoCo sync's time too)
+        spent = self.spend.add(now, usd_per_hour)  # up to now (a DiLoCo sync's time too)
         first_start = self.spend.first_start
-        if self.spent is None or first_start is None:
+        if spent is None or first_start is None:
             return {}
-        return self.projections.metrics(self.spent, first_start, now, step, step_s, usd_per_hour)
+        return self.projections.metrics(spent, first_start, now, step, step_s, usd_per_hour)
 
     def forget(self) -> None:
         """A group that healed (it sat out the other chiefs' steps): its account is stale."""
-        self.spend = self.spent = None
+        self.spend = None
